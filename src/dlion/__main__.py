@@ -1,0 +1,5 @@
+import sys
+
+from dlion.cli import main
+
+sys.exit(main())

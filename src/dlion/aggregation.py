@@ -1,0 +1,136 @@
+"""Aggregation rules: how N local Lion signs become one update Δ.
+
+Each worker i contributes δ_i ∈ {−1, 0, +1} per coordinate. A collective
+reduces them to two integers per coordinate,
+
+    s  = Σ_i δ_i          (in [−N, N])
+    nz = Σ_i |δ_i|        (how many workers did not abstain; N when no δ_i is 0)
+
+and the rule turns (s, nz) into an integer *code* that travels back to every
+rank and a float Δ that every rank applies:
+
+* ``mavo``  (majority vote):  code = sign(s) ∈ {−1, 0, +1},       Δ = code
+* ``avg``   (averaging):      code = s ∈ [−N, N],                 Δ = code / N
+
+Zeros are abstentions: a worker whose local update is exactly 0 (no gradient,
+or c = 0) votes for neither side, so a coordinate that is 0 on every worker gets
+Δ = 0 and never drifts (papers.md §5: encoding 0 as ±1 makes such parameters
+walk). Ties (s = 0 with nz > 0, only possible for even nz):
+
+* ``ties="zero"``   Δ = 0, as sign(0) = 0 in the paper. The code then takes
+  three values and travels as base-3 digits (1.6 bits).
+* ``ties="random"`` Δ = ±1 by a coin that every rank computes identically from
+  (seed, step, bucket, coordinate index): a hash, not a random generator, so
+  the coin of a coordinate does not depend on which rank votes on it or how the
+  buffer is chunked. When no worker abstains anywhere in the bucket the code is
+  then ±1 and travels as 1 bit.
+
+The wire format of the code is chosen by :meth:`VoteRule.result_codec` from
+what values are possible, which depends on N, the rule and whether any worker
+abstained in this bucket this step (``zeros``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .codec import FieldCodec, SignCodec, TritCodec, bits_for
+
+__all__ = ["VoteRule", "tie_coins", "VOTES", "TIES"]
+
+VOTES = ("mavo", "avg")
+TIES = ("zero", "random")
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: int) -> int:
+    x &= _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x
+
+
+def coin_key(seed: int, step: int, bucket: int) -> int:
+    """A 32-bit key for one (seed, step, bucket): identical on every rank."""
+    return _mix32(_mix32(_mix32(seed) ^ step) ^ (bucket * 0x9E3779B1))
+
+
+def tie_coins(key: int, start: int, n: int, device=None) -> Tensor:
+    """±1 (int8) for coordinates start … start+n−1: bit 0 of a 32-bit integer hash
+    of (key, index). Uses only int64 products below 2^63, so CPU and CUDA agree."""
+    x = torch.arange(start, start + n, dtype=torch.int64, device=device)
+    x = (x ^ key) & _MASK32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
+    x = (x >> 16) ^ x
+    return ((x & 1) * 2 - 1).to(torch.int8)
+
+
+@dataclass(frozen=True)
+class VoteRule:
+    """The aggregation rule: ``vote`` in {"mavo", "avg"}, ``ties`` in {"zero", "random"}."""
+
+    vote: str
+    world_size: int
+    ties: str = "zero"
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.vote not in VOTES:
+            raise ValueError(f"Unknown vote {self.vote!r}; choose one of {', '.join(map(repr, VOTES))}.")
+        if self.ties not in TIES:
+            raise ValueError(f"Unknown ties {self.ties!r}; choose one of {', '.join(map(repr, TIES))}.")
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+
+    # -- the rule -----------------------------------------------------------
+    def decide(self, s: Tensor, nz: Tensor, *, key: int = 0, start: int = 0) -> Tensor:
+        """Codes for coordinates start … start+len(s)−1 from their (s, nz)."""
+        if self.vote == "avg":
+            return s.to(torch.int16)
+        code = torch.sign(s).to(torch.int8)
+        if self.ties == "random":
+            tie = (s == 0) & (nz > 0)
+            if bool(tie.any()):
+                coins = tie_coins(key, start, s.numel(), device=s.device)
+                code = torch.where(tie, coins, code)
+        return code
+
+    def delta(self, code: Tensor, dtype: torch.dtype) -> Tensor:
+        """Δ in ``dtype`` from codes: the update every rank applies."""
+        if self.vote == "avg":
+            return code.to(dtype).div_(self.world_size)
+        return code.to(dtype)
+
+    # -- its wire format ----------------------------------------------------
+    def result_codec(self, zeros: bool):
+        """Codec for the codes when ``zeros`` says whether any worker abstained."""
+        n = self.world_size
+        if self.vote == "avg":
+            if zeros:
+                return FieldCodec(bits_for(2 * n + 1), lo=-n)
+            # No abstentions: s = 2·(#plus) − N has N's parity, so send #plus ∈ [0, N].
+            return _PlusCountCodec(n)
+        binary = not zeros and (self.ties == "random" or n % 2 == 1)
+        return SignCodec() if binary else TritCodec()
+
+    def result_bits(self, zeros: bool = False) -> float:
+        """Bits per coordinate on the way back (the b of (1 + b)(N−1)/N)."""
+        return self.result_codec(zeros).bits
+
+
+class _PlusCountCodec(FieldCodec):
+    """avg without abstentions: code s ↔ (s + N)/2 = number of +1 votes, in ⌈log2(N+1)⌉ bits."""
+
+    def __init__(self, n: int):
+        super().__init__(bits_for(n + 1), lo=0)
+        self.n = n
+
+    def encode(self, values: Tensor) -> Tensor:
+        return super().encode((values.to(torch.int16) + self.n) >> 1)
+
+    def decode(self, packed: Tensor, n: int) -> Tensor:
+        return super().decode(packed, n).mul_(2).sub_(self.n)

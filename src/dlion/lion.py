@@ -1,0 +1,192 @@
+"""The Lion update rule (Chen et al. 2023) and a ``torch.optim`` optimizer for it.
+
+Per parameter tensor, with gradient g, momentum m (starts at 0), lr η, weight decay λ::
+
+    p ← p · (1 − η·λ)              # decoupled weight decay
+    c ← β1·m + (1 − β1)·g          # the "pre-sign" interpolation
+    p ← p − η · sign(c)            # sign(0) = 0
+    m ← β2·m + (1 − β2)·g
+
+Every product above is rounded separately (no fused multiply-add), so the
+per-tensor and the multi-tensor (``foreach``) paths give bitwise identical
+results, and so does a literal transcription of the four lines.
+
+Low precision: for bf16/fp16 parameters the momentum is kept in fp32 and
+``c``, the decay and the step are computed in fp32; the new parameter value is
+then rounded to the parameter's dtype (round to nearest). A step η smaller than
+half a unit in the last place of a bf16 value is therefore lost, exactly as it
+would be for any optimizer writing bf16 weights; keep fp32 master weights
+(e.g. train in fp32 under ``torch.autocast``) when that matters.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["Lion", "lion_presign", "lion_momentum_update", "apply_update", "check_hyperparameters"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def check_hyperparameters(lr: float, betas, weight_decay: float) -> None:
+    """Raise ``ValueError`` with a clear message for invalid Lion hyperparameters."""
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr > 0.0:
+        raise ValueError(f"Invalid learning rate: lr={lr!r}; it must be a number > 0.")
+    try:
+        beta1, beta2 = betas
+    except (TypeError, ValueError):
+        raise ValueError(f"Invalid betas: {betas!r}; expected a pair (beta1, beta2).") from None
+    for name, b in (("beta1", beta1), ("beta2", beta2)):
+        if not isinstance(b, (int, float)) or isinstance(b, bool) or not 0.0 <= b < 1.0:
+            raise ValueError(f"Invalid {name}: {b!r}; betas must lie in [0, 1).")
+    if not isinstance(weight_decay, (int, float)) or isinstance(weight_decay, bool) or not weight_decay >= 0.0:
+        raise ValueError(f"Invalid weight_decay: {weight_decay!r}; it must be >= 0.")
+
+
+def check_params(params: list[Tensor]) -> None:
+    """Parameters must be dense floating-point tensors, each listed once."""
+    seen: set[int] = set()
+    for i, p in enumerate(params):
+        if not isinstance(p, Tensor):
+            raise TypeError(f"Parameter {i} is a {type(p).__name__}, not a torch.Tensor.")
+        if p.is_sparse:
+            raise ValueError(f"Parameter {i} (shape {tuple(p.shape)}) is sparse; Lion supports dense parameters only.")
+        if not p.is_floating_point():
+            raise ValueError(f"Parameter {i} (shape {tuple(p.shape)}) has dtype {p.dtype}; Lion needs floating-point parameters.")
+        if id(p) in seen:
+            raise ValueError(f"Parameter {i} (shape {tuple(p.shape)}) appears more than once in the optimizer's parameters.")
+        seen.add(id(p))
+
+
+def check_grad(index: int, p: Tensor) -> None:
+    g = p.grad
+    if g is None:
+        return
+    if g.is_sparse:
+        raise ValueError(f"Parameter {index} (shape {tuple(p.shape)}) has a sparse gradient; Lion supports dense gradients only.")
+    if not g.is_floating_point():
+        raise ValueError(f"Parameter {index} (shape {tuple(p.shape)}) has a gradient of dtype {g.dtype}; expected floating point.")
+
+
+def _state_dtype(p: Tensor) -> torch.dtype:
+    return torch.float32 if p.dtype in _LOW_PRECISION else p.dtype
+
+
+def lion_presign(ms: list[Tensor], gs: list[Tensor], beta1: float, *, foreach: bool) -> list[Tensor]:
+    """c = β1·m + (1 − β1)·g for every tensor (new tensors, m and g untouched)."""
+    if foreach:
+        a = torch._foreach_mul(ms, beta1)
+        b = torch._foreach_mul(gs, 1.0 - beta1)
+        torch._foreach_add_(a, b)
+        return a
+    return [torch.mul(m, beta1).add_(torch.mul(g, 1.0 - beta1)) for m, g in zip(ms, gs)]
+
+
+def lion_momentum_update(ms: list[Tensor], gs: list[Tensor], beta2: float, *, foreach: bool) -> None:
+    """m ← β2·m + (1 − β2)·g in place."""
+    if foreach:
+        torch._foreach_mul_(ms, beta2)
+        torch._foreach_add_(ms, torch._foreach_mul(gs, 1.0 - beta2))
+        return
+    for m, g in zip(ms, gs):
+        m.mul_(beta2).add_(torch.mul(g, 1.0 - beta2))
+
+
+def apply_update(params: list[Tensor], updates: list[Tensor], lr: float, weight_decay: float, *, foreach: bool) -> None:
+    """p ← p·(1 − η·λ); p ← p − η·u, computed in fp32 for low-precision parameters."""
+    if not params:
+        return
+    low = [p.dtype in _LOW_PRECISION for p in params]
+    work = [p.float() if lo else p for p, lo in zip(params, low)]
+    ups = [u.to(w.dtype) if u.dtype != w.dtype else u for u, w in zip(updates, work)]
+    if foreach:
+        if weight_decay != 0.0:
+            torch._foreach_mul_(work, 1.0 - lr * weight_decay)
+        torch._foreach_add_(work, torch._foreach_mul(ups, lr), alpha=-1.0)
+    else:
+        for w, u in zip(work, ups):
+            if weight_decay != 0.0:
+                w.mul_(1.0 - lr * weight_decay)
+            w.sub_(torch.mul(u, lr))
+    for p, w, lo in zip(params, work, low):
+        if lo:
+            p.copy_(w)
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion, exactly the four-line rule above. ``foreach=None`` picks the
+    multi-tensor path when all parameters are on CUDA or CPU (both paths give
+    identical results)."""
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        *,
+        maximize: bool = False,
+        foreach: Optional[bool] = None,
+    ):
+        check_hyperparameters(lr, betas, weight_decay)
+        defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize, foreach=foreach)
+        super().__init__(params, defaults)
+        check_params([p for g in self.param_groups for p in g["params"]])
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        g = self.param_groups[-1]
+        check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
+        check_params([p for grp in self.param_groups for p in grp["params"]])
+
+    def _collect(self, group: dict):
+        """Parameters with gradients, their gradients (negated if maximize) and momenta."""
+        ps, gs, ms = [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            g = p.grad
+            if g.dtype in _LOW_PRECISION or p.dtype in _LOW_PRECISION:
+                g = g.float()
+            if group["maximize"]:
+                g = torch.neg(g)
+            state = self.state[p]
+            if "exp_avg" not in state:
+                state["exp_avg"] = torch.zeros_like(p, dtype=_state_dtype(p), memory_format=torch.preserve_format)
+                state["step"] = torch.tensor(0.0)
+            ps.append(p)
+            gs.append(g)
+            ms.append(state["exp_avg"])
+        return ps, gs, ms
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # Validate every gradient before touching anything: a bad one changes nothing.
+        for i, p in enumerate(p for g in self.param_groups for p in g["params"]):
+            check_grad(i, p)
+        for group in self.param_groups:
+            ps, gs, ms = self._collect(group)
+            if not ps:
+                continue
+            beta1, beta2 = group["betas"]
+            foreach = _use_foreach(group["foreach"], ps)
+            c = lion_presign(ms, gs, beta1, foreach=foreach)
+            signs = torch._foreach_sign(c) if foreach else [torch.sign(x) for x in c]
+            apply_update(ps, signs, group["lr"], group["weight_decay"], foreach=foreach)
+            lion_momentum_update(ms, gs, beta2, foreach=foreach)
+            for p in ps:
+                self.state[p]["step"] += 1
+        return loss
+
+
+def _use_foreach(flag: Optional[bool], params: list[Tensor]) -> bool:
+    if flag is not None:
+        return bool(flag)
+    return all(p.device.type in ("cpu", "cuda") for p in params)
