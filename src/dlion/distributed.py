@@ -180,6 +180,12 @@ class DistributedLion(Lion):
                 self._where[i] = (b, b.offsets[j])
         return buckets
 
+    def bucket_layout(self) -> list[tuple[int, int, int]]:
+        """(bucket index, offset, padded bucket length) of every parameter, in
+        parameter order: where its coordinates sit in the communication buffers
+        (the tie coins are keyed by bucket and offset)."""
+        return [(self._where[i][0].index, self._where[i][1], self._where[i][0].padded) for i in range(len(self._params))]
+
     # -- the step -------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
@@ -191,12 +197,18 @@ class DistributedLion(Lion):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for i, p in enumerate(self._params):
-            check_grad(i, p)
-
         index = {id(p): i for i, p in enumerate(self._params)}
         T = len(self._params)
-        flags = torch.zeros(2 * T, dtype=torch.int32)  # [has_grad | has_zero] per parameter
+        # [has_grad | has_zero] per parameter, then how many ranks rejected their gradients.
+        flags = torch.zeros(2 * T + 1, dtype=torch.int32)
+        try:
+            for i, p in enumerate(self._params):
+                check_grad(i, p)
+        except ValueError:
+            # Still join the flag all-reduce, so the other ranks stop too instead of hanging.
+            flags[-1] = 1
+            self._all_reduce_flags(flags)
+            raise
         for b in self._buckets:
             b.signs.zero_()
         local = []  # (group, params, grads, momenta) for the momentum update later
@@ -216,9 +228,10 @@ class DistributedLion(Lion):
                 flags[T + i] = int(not bool(view.all()))
             local.append((group, gs, ms, foreach))
 
-        dist.all_reduce(flags, group=self.process_group)
-        moved = flags.numel() * 4 * 2 * (self.world_size - 1) / self.world_size
-        self.comm_stats.add("all_reduce", moved, moved)
+        self._all_reduce_flags(flags)
+        if flags[-1] > 0:
+            raise RuntimeError(f"DistributedLion: {int(flags[-1])} other rank(s) rejected their gradients "
+                               "(their error says why); no rank changed any parameter or momentum.")
         has_grad = flags[:T].tolist()
         has_zero = flags[T:].tolist()
 
@@ -255,6 +268,11 @@ class DistributedLion(Lion):
                              foreach=_use_foreach(group["foreach"], ps))
         self.comm_stats.steps += 1
         return loss
+
+    def _all_reduce_flags(self, flags: Tensor) -> None:
+        dist.all_reduce(flags, group=self.process_group)
+        moved = flags.numel() * 4 * 2 * (self.world_size - 1) / self.world_size
+        self.comm_stats.add("all_reduce", moved, moved)
 
     # -- checkpointing ----------------------------------------------------------
     def state_dict(self) -> dict:

@@ -133,8 +133,9 @@ class Lion(torch.optim.Optimizer):
     ):
         check_hyperparameters(lr, betas, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize, foreach=foreach)
+        params = list(params)
+        check_params(_flatten_spec(params))  # before torch.optim's own (warning-only) duplicate check
         super().__init__(params, defaults)
-        check_params([p for g in self.param_groups for p in g["params"]])
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -184,6 +185,20 @@ class Lion(torch.optim.Optimizer):
             for p in ps:
                 self.state[p]["step"] += 1
         return loss
+
+
+def _flatten_spec(params: list) -> list:
+    """The tensors of a params argument: tensors, or dicts with a "params" entry."""
+    out = []
+    for item in params:
+        if isinstance(item, dict):
+            ps = item.get("params", [])
+            if not isinstance(ps, Tensor):
+                ps = item["params"] = list(ps)  # a generator can be read only once
+            out.extend([ps] if isinstance(ps, Tensor) else ps)
+        else:
+            out.append(item)
+    return out
 
 
 def _use_foreach(flag: Optional[bool], params: list[Tensor]) -> bool:

@@ -1,0 +1,235 @@
+"""DistributedLion on real Gloo process groups against a single-process simulation of N workers.
+
+Each worker gets gradients that are a fixed function of (rank, step), including
+the awkward cases: a row whose gradient is always 0 (a padding embedding), a
+parameter no rank ever has a gradient for, and one only even ranks have.
+The reference below is written from papers.md §2 directly — it shares no code
+with the optimizer except the tie-coin hash, which is part of the contract.
+"""
+
+import math
+
+import pytest
+import torch
+
+import dlion
+from dlion.aggregation import coin_key, tie_coins
+from dlion.spawn import spawn
+
+SHAPES = [((6, 5), torch.float32), ((17,), torch.float64), ((4,), torch.float32), ((3, 3), torch.float32),
+          ((1,), torch.float32), ((50,), torch.float32)]
+LR, BETAS, WD = 0.01, (0.9, 0.99), 0.1
+STEPS = 6
+
+
+def init_params(rank):
+    g = torch.Generator().manual_seed(1000 + rank)  # different on every rank: construction must broadcast rank 0's
+    return [torch.randn(s, generator=g, dtype=d) for s, d in SHAPES]
+
+
+def grads_for(rank, step, dense):
+    g = torch.Generator().manual_seed(10_000 * rank + step)
+    grads = [torch.randn(s, generator=g, dtype=d) for s, d in SHAPES]
+    if dense:
+        return grads
+    grads[0][0] = 0.0       # padding row: zero everywhere, every step
+    grads[2] = None         # no gradient on any rank
+    if rank % 2:
+        grads[3] = None     # gradient only on even ranks
+    return grads
+
+
+def worker(rank, world, configs):
+    out = []
+    for cfg in configs:
+        params = [p.requires_grad_() for p in init_params(rank)]
+        opt = dlion.DistributedLion(params, lr=LR, betas=BETAS, weight_decay=WD, vote=cfg["vote"],
+                                    ties=cfg.get("ties", "zero"), comm=cfg.get("comm", "1bit"),
+                                    bucket_cap_mb=cfg.get("bucket_cap_mb", 25.0), seed=5)
+        for t in range(STEPS):
+            for p, g in zip(params, grads_for(rank, t, cfg.get("dense", False))):
+                p.grad = g
+            opt.step()
+        out.append(dict(params=[p.detach().clone() for p in params], stats=opt.comm_stats.state_dict(),
+                        layout=opt.bucket_layout() if world > 1 else None))
+    return out
+
+
+def simulate(world, cfg, layout):
+    """N workers in one process, straight from the paper's equations."""
+    x = [p.clone() for p in init_params(0)]
+    m = [[torch.zeros(s, dtype=d) for s, d in SHAPES] for _ in range(world)]
+    for t in range(STEPS):
+        grads = [grads_for(i, t, cfg.get("dense", False)) for i in range(world)]
+        for k in range(len(SHAPES)):
+            deltas = []
+            for i in range(world):
+                g = grads[i][k]
+                if g is None:
+                    deltas.append(torch.zeros_like(x[k]))  # abstain
+                    continue
+                c = BETAS[0] * m[i][k] + (1 - BETAS[0]) * g
+                deltas.append(torch.sign(c))
+                m[i][k] = BETAS[1] * m[i][k] + (1 - BETAS[1]) * g
+            if all(grads[i][k] is None for i in range(world)):
+                continue  # no gradient anywhere: not touched at all
+            s = sum(deltas)
+            nz = sum(d.abs() for d in deltas)
+            if cfg["vote"] == "avg":
+                update = s / world
+            else:
+                update = torch.sign(s)
+                if cfg.get("ties") == "random" and world > 1:
+                    bucket, offset, _ = layout[k]
+                    coins = tie_coins(coin_key(5, t, bucket), offset, s.numel()).view(s.shape).to(s.dtype)
+                    update = torch.where((s == 0) & (nz > 0), coins, update)
+            x[k] = x[k] * (1 - LR * WD)
+            x[k] = x[k] - LR * update
+    return x
+
+
+CONFIGS = [
+    dict(vote="mavo"),
+    dict(vote="avg"),
+    dict(vote="mavo", ties="random"),
+    dict(vote="mavo", comm="allgather"),
+    dict(vote="avg", comm="allgather", bucket_cap_mb=40 * 4 / 2**20),  # tiny buckets: one per parameter or so
+    dict(vote="mavo", dense=True),
+    dict(vote="avg", dense=True),
+    dict(vote="mavo", ties="random", dense=True),
+]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+def test_matches_simulated_workers_and_ranks_agree_bitwise(world):
+    results = spawn(worker, world, CONFIGS)
+    for c, cfg in enumerate(CONFIGS):
+        ranks = [r[c] for r in results]
+        expected = simulate(world, cfg, ranks[0]["layout"])
+        for rank, res in enumerate(ranks):
+            for k, (got, want) in enumerate(zip(res["params"], expected)):
+                assert torch.equal(got, want), f"{cfg} rank {rank} parameter {k} differs from the simulation"
+        # Explicit: the parameter nobody had a gradient for is rank 0's initial value, untouched,
+        # and the padding row only decayed.
+        row = init_params(0)[0][0]
+        for _ in range(STEPS):
+            row = row * (1 - LR * WD)
+        for res in ranks:
+            if not cfg.get("dense"):
+                assert torch.equal(res["params"][2], init_params(0)[2])
+                assert torch.equal(res["params"][0][0], row)
+
+
+def expected_bits(vote, ties, world):
+    """b, the width of the result on the way back, with no abstentions."""
+    if vote == "avg":
+        return math.ceil(math.log2(world + 1))
+    return 1.0 if (world % 2 or ties == "random") else 1.6
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5])
+def test_comm_stats_match_the_formula(world):
+    cfgs = [dict(vote="mavo", dense=True), dict(vote="avg", dense=True), dict(vote="mavo", ties="random", dense=True)]
+    results = spawn(worker, world, cfgs)
+    n = sum(math.prod(s) for s, _ in SHAPES)
+    padded = results[0][0]["layout"][0][2]
+    flags = (2 * len(SHAPES) + 1) * 4 * 2 * (world - 1) / world  # the tiny flag all-reduce
+    for cfg, res in zip(cfgs, results[0]):
+        st = res["stats"]
+        assert st["steps"] == STEPS and st["bytes_sent"] == st["bytes_received"]
+        b = expected_bits(cfg["vote"], cfg.get("ties", "zero"), world)
+        formula = (1 + b) * (world - 1) / world * n / 8  # bytes per step each way, unpadded
+        per_step = st["bytes_sent"] / STEPS
+        pad = (1 + b) * (world - 1) / world * (padded - n) / 8
+        assert formula <= per_step <= formula + pad + flags + 1, (cfg, per_step, formula)
+        # the way up is exactly 1 bit per padded coordinate
+        assert st["by_kind"]["all_to_all"][0] == STEPS * round(padded / 8 * (world - 1) / world)
+
+
+def test_without_process_group_it_is_plain_lion():
+    a = [p.requires_grad_() for p in init_params(0)]
+    b = [p.detach().clone().requires_grad_() for p in a]
+    oa = dlion.DistributedLion(a, lr=LR, weight_decay=WD)
+    ob = dlion.Lion(b, lr=LR, weight_decay=WD)
+    for t in range(STEPS):
+        for pa, pb, g in zip(a, b, grads_for(0, t, False)):
+            pa.grad = pb.grad = g
+        oa.step()
+        ob.step()
+    for pa, pb in zip(a, b):
+        assert torch.equal(pa, pb)
+    assert oa.comm_stats.bytes_sent == 0 and oa.comm_stats.steps == STEPS
+
+
+# -- bad input ---------------------------------------------------------------
+
+def mismatch_worker(rank, world, kind):
+    shapes = [(4, 3), (5,)]
+    if kind == "shape" and rank == 1:
+        shapes = [(3, 4), (5,)]
+    if kind == "count" and rank == 1:
+        shapes = [(4, 3)]
+    params = [torch.ones(s, dtype=torch.float64 if (kind == "dtype" and rank == 1 and i == 1) else torch.float32)
+              * (rank + 1) for i, s in enumerate(shapes)]
+    try:
+        dlion.DistributedLion(params, lr=0.1)
+    except ValueError as e:
+        return str(e), [p.clone() for p in params]
+    return None, None
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("shape", "ranks disagree on the model at parameter 0: rank 1 has shape (3, 4) dtype float32, rank 0 has shape (4, 3)"),
+    ("count", "rank 1 has 1 parameters, rank 0 has 2"),
+    ("dtype", "at parameter 1: rank 1 has shape (5,) dtype float64, rank 0 has shape (5,) dtype float32"),
+])
+def test_ranks_disagreeing_on_the_model_get_a_clear_error_and_nothing_changes(kind, message):
+    results = spawn(mismatch_worker, 2, kind)
+    for rank, (err, params) in enumerate(results):
+        assert err is not None and message in err
+        assert all(torch.all(p == rank + 1) for p in params)  # not overwritten by rank 0's broadcast
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(vote="median"), "Unknown vote 'median'"),
+    (dict(ties="up"), "Unknown ties 'up'"),
+    (dict(comm="carrier-pigeon"), "Unknown comm 'carrier-pigeon'"),
+    (dict(lr=0), "Invalid learning rate"),
+    (dict(betas=(0.9, 1.0)), "Invalid beta2"),
+    (dict(weight_decay=-1), "Invalid weight_decay"),
+    (dict(bucket_cap_mb=0), "bucket_cap_mb must be > 0"),
+])
+def test_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        dlion.DistributedLion([torch.zeros(3, requires_grad=True)], **kwargs)
+
+
+def test_bad_parameters_rejected():
+    p = torch.zeros(3, requires_grad=True)
+    with pytest.raises(ValueError, match="appears more than once"):
+        dlion.DistributedLion([p, p])
+    with pytest.raises(ValueError, match="Lion needs floating-point"):
+        dlion.DistributedLion([torch.zeros(3, dtype=torch.int32)])
+    with pytest.raises(ValueError, match="is sparse"):
+        dlion.DistributedLion([torch.zeros(3, 3).to_sparse()])
+
+
+def sparse_grad_worker(rank, world):
+    a = torch.ones(4, requires_grad=True)
+    b = torch.ones(4, requires_grad=True)
+    opt = dlion.DistributedLion([a, b], lr=0.1)
+    a.grad = torch.ones(4)
+    b.grad = torch.ones(4).to_sparse() if rank == 0 else torch.ones(4)
+    try:
+        opt.step()
+    except (ValueError, RuntimeError) as e:
+        return str(e), a.detach().clone(), opt.state[a].get("exp_avg")
+    return None, a.detach().clone(), None
+
+
+def test_sparse_gradient_on_one_rank_stops_every_rank_and_changes_nothing():
+    (err0, a0, m0), (err1, a1, m1) = spawn(sparse_grad_worker, 2)
+    assert "Parameter 1 (shape (4,)) has a sparse gradient" in err0
+    assert "1 other rank(s) rejected their gradients" in err1  # no hang on the healthy rank
+    assert torch.equal(a0, torch.ones(4)) and torch.equal(a1, torch.ones(4))
+    assert m0 is None and (m1 is None or torch.equal(m1, torch.zeros(4)))

@@ -1,0 +1,204 @@
+"""dlion.Lion against a literal transcription of the four-line rule (papers.md §1)."""
+
+import io
+import math
+
+import pytest
+import torch
+
+import dlion
+
+
+def reference_lion(p, g, m, lr, beta1, beta2, wd):
+    """The four lines, literally."""
+    p = p * (1 - lr * wd)
+    c = beta1 * m + (1 - beta1) * g
+    p = p - lr * torch.sign(c)
+    m = beta2 * m + (1 - beta2) * g
+    return p, m
+
+
+def make_params(seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g, dtype=dtype).requires_grad_() for s in [(7, 5), (13,), (3, 4, 2), (1,)]]
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("wd", [0.0, 0.3])
+def test_matches_literal_reference_exactly(foreach, wd):
+    lr, betas = 3e-3, (0.9, 0.99)
+    params = make_params()
+    ref_p = [p.detach().clone() for p in params]
+    ref_m = [torch.zeros_like(p) for p in params]
+    opt = dlion.Lion(params, lr=lr, betas=betas, weight_decay=wd, foreach=foreach)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(50):
+        grads = [torch.randn(p.shape, generator=gen) for p in params]
+        grads[0][0, :] = 0.0  # exact zeros: sign(0) = 0 must leave these coordinates alone
+        for p, gr in zip(params, grads):
+            p.grad = gr.clone()
+        opt.step()
+        for i, gr in enumerate(grads):
+            ref_p[i], ref_m[i] = reference_lion(ref_p[i], gr, ref_m[i], lr, *betas, wd)
+    for p, r, m in zip(params, ref_p, ref_m):
+        assert torch.equal(p.detach(), r)
+        assert torch.equal(opt.state[p]["exp_avg"], m)
+    # The row whose gradient is always 0 only decays: no sign ever moves it.
+    row = make_params()[0].detach()[0]
+    for _ in range(50):
+        row = row * (1 - lr * wd)
+    assert torch.equal(params[0].detach()[0], row)
+
+
+def test_zero_gradient_row_never_moves_without_decay():
+    p = torch.ones(4, 3, requires_grad=True)
+    opt = dlion.Lion([p], lr=0.1)
+    for _ in range(10):
+        g = torch.randn(4, 3)
+        g[2] = 0.0
+        p.grad = g
+        opt.step()
+    assert torch.equal(p.detach()[2], torch.ones(3))
+
+
+def test_foreach_and_single_tensor_paths_identical():
+    a, b = make_params(3), make_params(3)
+    oa = dlion.Lion(a, lr=1e-2, weight_decay=0.1, foreach=True)
+    ob = dlion.Lion(b, lr=1e-2, weight_decay=0.1, foreach=False)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        for pa, pb in zip(a, b):
+            g = torch.randn(pa.shape, generator=gen)
+            pa.grad, pb.grad = g.clone(), g.clone()
+        oa.step()
+        ob.step()
+    for pa, pb in zip(a, b):
+        assert torch.equal(pa, pb)
+
+
+def test_param_groups_use_their_own_hyperparameters():
+    p1, p2 = torch.zeros(3, requires_grad=True), torch.zeros(3, requires_grad=True)
+    opt = dlion.Lion([{"params": [p1], "lr": 0.5}, {"params": [p2]}], lr=0.25)
+    p1.grad = torch.tensor([1.0, -2.0, 0.0])
+    p2.grad = torch.tensor([1.0, -2.0, 0.0])
+    opt.step()
+    assert p1.tolist() == [-0.5, 0.5, 0.0]
+    assert p2.tolist() == [-0.25, 0.25, 0.0]
+
+
+def test_maximize_flips_the_gradient():
+    p = torch.zeros(2, requires_grad=True)
+    opt = dlion.Lion([p], lr=1.0, maximize=True)
+    p.grad = torch.tensor([1.0, -1.0])
+    opt.step()
+    assert p.tolist() == [1.0, -1.0]
+
+
+def test_state_dict_round_trip_continues_identically():
+    a = make_params(5)
+    oa = dlion.Lion(a, lr=1e-2, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(2)
+    grads = [[torch.randn(p.shape, generator=gen) for p in a] for _ in range(10)]
+    for t in range(5):
+        for p, g in zip(a, grads[t]):
+            p.grad = g.clone()
+        oa.step()
+    b = [p.detach().clone().requires_grad_() for p in a]
+    ob = dlion.Lion(b, lr=1.0)
+    buf = io.BytesIO()
+    torch.save(oa.state_dict(), buf)  # through bytes, as from a checkpoint file
+    buf.seek(0)
+    ob.load_state_dict(torch.load(buf, weights_only=True))
+    assert ob.param_groups[0]["lr"] == 1e-2
+    for t in range(5, 10):
+        for pa, pb, g in zip(a, b, grads[t]):
+            pa.grad, pb.grad = g.clone(), g.clone()
+        oa.step()
+        ob.step()
+    for pa, pb in zip(a, b):
+        assert torch.equal(pa, pb)
+
+
+def test_lr_scheduler_drives_the_step_size():
+    p = torch.zeros(1, requires_grad=True)
+    opt = dlion.Lion([p], lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for _ in range(3):
+        p.grad = torch.tensor([-1.0])
+        opt.step()
+        sched.step()
+    assert p.item() == 1.0 + 0.5 + 0.25
+
+
+def test_closure_is_called_and_its_loss_returned():
+    p = torch.tensor([2.0], requires_grad=True)
+    opt = dlion.Lion([p], lr=0.5)
+
+    def closure():
+        opt.zero_grad()
+        loss = (p ** 2).sum()
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert loss.item() == 4.0
+    assert p.item() == 1.5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_params_keep_fp32_momentum_and_math(dtype):
+    p32 = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    p = p32.to(dtype).requires_grad_()
+    opt = dlion.Lion([p], lr=0.01, weight_decay=0.5)
+    m = torch.zeros(64)
+    ref = p.detach().float()
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        g = torch.randn(64, generator=gen).to(dtype)
+        p.grad = g
+        ref, m = reference_lion(ref, g.float(), m, 0.01, 0.9, 0.99, 0.5)
+        ref = ref.to(dtype).float()  # the parameter is stored in low precision after each step
+        opt.step()
+    assert opt.state[p]["exp_avg"].dtype == torch.float32
+    assert torch.equal(opt.state[p]["exp_avg"], m)
+    assert torch.equal(p.detach().float(), ref)
+
+
+# -- bad input: clear error, nothing changed -----------------------------------
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(lr=0.0), "Invalid learning rate"),
+    (dict(lr=-1e-3), "Invalid learning rate"),
+    (dict(betas=(1.0, 0.99)), "Invalid beta1"),
+    (dict(betas=(0.9, -0.1)), "Invalid beta2"),
+    (dict(betas=(0.9,)), "Invalid betas"),
+    (dict(weight_decay=-0.1), "Invalid weight_decay"),
+    (dict(weight_decay=math.nan), "Invalid weight_decay"),
+])
+def test_bad_hyperparameters(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        dlion.Lion([torch.zeros(2, requires_grad=True)], **kwargs)
+
+
+def test_bad_parameters():
+    with pytest.raises(ValueError, match="dtype torch.int64; Lion needs floating-point"):
+        dlion.Lion([torch.zeros(2, dtype=torch.long)])
+    with pytest.raises(ValueError, match="is sparse"):
+        dlion.Lion([torch.zeros(2, 2).to_sparse()])
+    p = torch.zeros(2, requires_grad=True)
+    with pytest.raises(ValueError, match="appears more than once"):
+        dlion.Lion([p, p])
+    with pytest.raises(ValueError, match="appears more than once"):
+        dlion.Lion([{"params": [p]}, {"params": [p]}])
+
+
+def test_sparse_gradient_rejected_before_anything_changes():
+    a = torch.ones(3, requires_grad=True)
+    b = torch.ones(3, requires_grad=True)
+    opt = dlion.Lion([a, b], lr=0.1)
+    a.grad = torch.ones(3)
+    b.grad = torch.ones(3).to_sparse()
+    with pytest.raises(ValueError, match="sparse gradient"):
+        opt.step()
+    assert torch.equal(a.detach(), torch.ones(3))
+    assert opt.state[a] == {}
