@@ -6,11 +6,13 @@ demo, the benchmarks and the tests; real jobs use ``torchrun``.
 
 from __future__ import annotations
 
+import io
 import os
 import tempfile
 from datetime import timedelta
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -19,33 +21,44 @@ __all__ = ["spawn"]
 
 def _entry(rank: int, fn: Callable, world_size: int, store_path: str, timeout_s: float, args: tuple, results) -> None:
     # One thread per worker: N workers share the machine's cores.
-    import torch
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
     try:
         out = fn(rank, world_size, *args)
-        if results is not None:
-            results[rank] = out
+        # As plain bytes: torch's own queue pickling shares tensor memory with a
+        # process that is about to exit.
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        results.put((rank, buf.getvalue()))
     finally:
         dist.destroy_process_group()
 
 
-def spawn(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120.0, collect: bool = True) -> list:
+def spawn(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120.0,
+          start_method: str = "fork" if hasattr(os, "fork") else "spawn") -> list:
     """Call ``fn(rank, world_size, *args)`` in ``world_size`` processes with an
-    initialised Gloo group and return their results in rank order (``fn`` and
-    its results must be picklable). Raises if any worker fails."""
-    fd, store_path = tempfile.mkstemp(prefix="dlion-store-")
-    os.close(fd)
-    os.unlink(store_path)  # FileStore wants to create it
-    manager = mp.Manager() if collect else None
-    try:
-        results = manager.dict() if manager else None
-        mp.spawn(_entry, args=(fn, world_size, store_path, timeout_s, args, results), nprocs=world_size, join=True)
-        return [results[r] for r in range(world_size)] if results is not None else []
-    finally:
-        if manager:
-            manager.shutdown()
-        if os.path.exists(store_path):
-            os.unlink(store_path)
+    initialised Gloo group and return their results in rank order. Raises if
+    any worker fails. ``fork`` (the default where available) skips re-importing
+    torch in every worker, which dominates start-up on a small machine; the
+    parent must not have used torch's thread pools in ways that break fork
+    (CPU-only test and demo processes are fine)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    with tempfile.TemporaryDirectory(prefix="dlion-spawn-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        ctx = mp.get_context(start_method)
+        results = ctx.SimpleQueue()
+        procs = mp.start_processes(_entry, args=(fn, world_size, store_path, timeout_s, args, results),
+                                   nprocs=world_size, join=False, start_method=start_method)
+        out: dict = {}
+
+        def drain():  # read while waiting: a full pipe would block a worker forever
+            while not results.empty():
+                rank, value = results.get()
+                out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+
+        while not procs.join(timeout=0.05):
+            drain()
+        drain()
+        return [out.get(r) for r in range(world_size)]
