@@ -41,7 +41,9 @@ class DigitsCNN(nn.Module):
 
     Three 3x3 convolutions with ReLU (``1 -> width -> 2*width -> 2*width``
     channels) and two 2x2 max-pools (8x8 -> 4x4 -> 2x2), then a linear
-    classifier. About 58 k parameters at the default ``width=32``.
+    classifier. About 58 k parameters at the default ``width=32``. With batch
+    size 32, five epochs of Adam (lr 3e-3) or Lion (lr 1e-3) reach about 97 %
+    test accuracy on the split of :func:`dlion.data.load_digits_split`.
 
     Input: float tensor of shape ``(N, 1, 8, 8)`` or ``(N, 64)``.
     Output: logits of shape ``(N, num_classes)``.
@@ -72,7 +74,7 @@ class MLP1D(nn.Module):
     """A multilayer perceptron for MNIST-1D.
 
     ``depth`` hidden layers of ``hidden`` units with ReLU, then a linear
-    classifier. About 77 k parameters at the defaults.
+    classifier. About 79 k parameters at the defaults.
 
     Input: float tensor of shape ``(N, in_features)`` or ``(N, 1, in_features)``.
     Output: logits of shape ``(N, num_classes)``.
@@ -98,7 +100,9 @@ class CNN1D(nn.Module):
     """A small 1-D CNN for MNIST-1D, after the reference ``ConvBase`` model.
 
     Three strided 1-D convolutions with ReLU (lengths 40 -> 19 -> 10 -> 5) and a
-    linear classifier. About 5.6 k parameters at the default ``channels=25``.
+    linear classifier. About 5.2 k parameters at the default ``channels=25``;
+    30 epochs of Adam (lr 1e-2) or Lion (lr 1e-3) at batch size 100 reach about
+    90 % test accuracy (the MLP reaches about 60 %).
 
     Input: float tensor of shape ``(N, 40)`` or ``(N, 1, 40)``.
     Output: logits of shape ``(N, num_classes)``.
