@@ -41,7 +41,7 @@ def test_sign_and_trit_codecs_round_trip(n, seed):
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 15), st.integers(-20, 20), st.integers(0, 300).map(lambda k: 8 * k), st.integers(0, 2**31 - 1))
 def test_field_codec_round_trip_any_width(width, lo, n, seed):
-    v = torch.randint(lo, lo + 2**width, (n,), generator=torch.Generator().manual_seed(seed), dtype=torch.int16)
+    v = torch.randint(lo, lo + 2**width, (n,), generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
     c = FieldCodec(width, lo)
     packed = c.encode(v)
     assert packed.numel() == c.nbytes(n) == width * n // 8

@@ -130,7 +130,7 @@ class _PlusCountCodec(FieldCodec):
         self.n = n
 
     def encode(self, values: Tensor) -> Tensor:
-        return super().encode((values.to(torch.int16) + self.n) >> 1)
+        return super().encode((values.to(torch.int32) + self.n) >> 1)
 
     def decode(self, packed: Tensor, n: int) -> Tensor:
         return super().decode(packed, n).mul_(2).sub_(self.n)

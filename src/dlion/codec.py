@@ -139,16 +139,16 @@ class FieldCodec:
         n = values.numel()
         if n % 8:
             raise ValueError(f"FieldCodec needs a length that is a multiple of 8, got {n}")
-        v = values.to(torch.int16) - self.lo
+        v = values.to(torch.int32) - self.lo
         planes = [pack_bits(((v >> k) & 1).to(torch.uint8)) for k in range(self.width)]
         # Interleave per aligned group of 8 values so that concatenated chunks stay chunk-contiguous.
         return torch.stack(planes, dim=1).view(-1)
 
     def decode(self, packed: Tensor, n: int) -> Tensor:
         planes = packed.view(-1, self.width)
-        out = torch.zeros(planes.shape[0] * 8, dtype=torch.int16, device=packed.device)
+        out = torch.zeros(planes.shape[0] * 8, dtype=torch.int32, device=packed.device)
         for k in range(self.width):
-            out.add_(unpack_bits(planes[:, k].contiguous(), planes.shape[0] * 8).to(torch.int16) << k)
+            out.add_(unpack_bits(planes[:, k].contiguous(), planes.shape[0] * 8).to(torch.int32) << k)
         return out[:n].add_(self.lo)
 
     def __repr__(self) -> str:
