@@ -46,6 +46,8 @@ def worker(rank, world, configs):
         opt = dlion.DistributedLion(params, lr=LR, betas=BETAS, weight_decay=WD, vote=cfg["vote"],
                                     ties=cfg.get("ties", "zero"), comm=cfg.get("comm", "1bit"),
                                     momentum_sync=cfg.get("momentum_sync", "none"),
+                                    aggregate=cfg.get("aggregate", "sign"), quant_norm=cfg.get("quant_norm", "l1"),
+                                    quant_bits=cfg.get("quant_bits", 8),
                                     bucket_cap_mb=cfg.get("bucket_cap_mb", 25.0), seed=5)
         for t in range(STEPS):
             for p, g in zip(params, grads_for(rank, t, cfg.get("dense", False))):
