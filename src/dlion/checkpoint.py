@@ -1,0 +1,573 @@
+"""Checkpoints of a data-parallel job: the model once, and *every* rank's optimizer state.
+
+Distributed Lion keeps one momentum per rank and never synchronises them
+(papers.md §2), so rank 0's ``optimizer.state_dict()`` alone loses N − 1 of
+them (papers.md §5, last trap) and a resumed run would no longer follow the
+run that never stopped. :func:`save` therefore gathers every rank's optimizer
+state to rank 0 (``torch.distributed.gather_object``), and rank 0 writes one
+file. :func:`load` gives rank r the state that rank r saved, so training
+continues *bitwise* as if it had never stopped (same world size, same data
+order, same hyperparameters).
+
+Design choices
+--------------
+* **One file, written by rank 0.** Rank 0 holds N copies of the optimizer
+  state while saving (N × the momenta, in CPU memory). That is simple and
+  atomic; a job whose N momenta do not fit in one host's memory would need
+  per-rank shards plus a manifest instead.
+* **Atomic.** Rank 0 writes to a temporary file in the same directory,
+  ``fsync``\\ s it, and ``os.replace``\\ s it over ``path`` (then fsyncs the
+  directory). A crash or an exception mid-save leaves the previous checkpoint
+  untouched and removes the temporary file. Every rank learns whether the save
+  worked: a failed save raises on *all* ranks.
+* **Verified.** The file is ``MAGIC`` line, payload (a ``torch.save`` archive),
+  trailer with the payload's length and SHA-256. :func:`load` rejects a file
+  whose magic, length or checksum is wrong (truncated, corrupted, not a dlion
+  checkpoint) with :class:`CheckpointError`, and reads the payload with
+  ``torch.load(weights_only=True)`` (no arbitrary code runs).
+* **Replicas checked while saving.** Each rank sends a digest of each of its
+  parameters along with its optimizer state; rank 0 refuses to save replicas
+  that differ (:class:`dlion.distributed.DesyncError` on every rank, naming
+  the first parameter that differs). This adds no collective and does not
+  touch the optimizer's communication counters.
+* **RNG.** Every rank's torch CPU (and, if initialised, CUDA) RNG state is
+  saved and restored when the world size is unchanged, so dropout and
+  ``torch.randint`` batch sampling continue identically.
+
+Resuming at another world size
+------------------------------
+A checkpoint written by N ranks can be loaded by M ≠ N ranks (unless
+``strict=True``). Parameters are identical everywhere, so only the per-rank
+optimizer state needs a policy (``momenta=``):
+
+* ``"mean"`` (default): every rank starts from the element-wise mean of the N
+  saved momenta (a never-created momentum counts as zero, which is what it
+  would have been). This is what Lion Cub's momentum synchronisation would
+  produce; each rank's momenta then diverge again with its own data.
+* ``"modulo"``: rank r takes saved rank r mod N's state as it is.
+
+Scalars (per-parameter step counts, which are equal on every rank) and the
+communication counters come from saved rank r mod N. The RNG state is not
+restored after a resize. :func:`load` emits a :class:`CheckpointWarning` and
+returns a :class:`LoadInfo` that says what it did.
+
+Every call is collective when a process group is initialised: all ranks call
+:func:`save` and :func:`load` together (like ``dist.barrier``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["save", "load", "read", "LoadInfo", "CheckpointError", "CheckpointWarning", "FORMAT_VERSION", "MAGIC"]
+
+FORMAT_VERSION = 1
+MAGIC = b"DLION-CHECKPOINT\n"
+_TRAILER_TAG = b"\nDLION-SHA256 "
+_TRAILER_LEN = len(_TRAILER_TAG) + 64 + 1 + 20 + 1  # tag, hex digest, space, 20-digit length, newline
+MOMENTA_POLICIES = ("mean", "modulo")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written, read or applied (the message says why)."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was applied with an adaptation (another world size or optimizer config)."""
+
+
+@dataclass
+class LoadInfo:
+    """What :func:`load` did on this rank."""
+
+    path: str
+    step: Any
+    extra: Any
+    saved_world_size: int
+    world_size: int
+    rank: int
+    policy: str                  # "exact", "mean", "modulo" or "none" (no optimizer state applied)
+    source_ranks: list = field(default_factory=list)  # saved ranks this rank's optimizer state came from
+    rng_restored: bool = False
+    config_changes: dict = field(default_factory=dict)  # key -> (saved, current)
+    message: str = ""
+
+
+# ---------------------------------------------------------------------------
+# process group helpers
+# ---------------------------------------------------------------------------
+
+
+def _group_info(group) -> tuple[bool, int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return True, dist.get_rank(group), dist.get_world_size(group)
+    return False, 0, 1
+
+
+def _gather_to_root(obj, group, world: int) -> Optional[list]:
+    rank = dist.get_rank(group)
+    out = [None] * world if rank == 0 else None
+    dist.gather_object(obj, out, group=group, group_dst=0)
+    return out
+
+
+def _broadcast_from_root(obj, group):
+    box = [obj]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    return box[0]
+
+
+# ---------------------------------------------------------------------------
+# file format
+# ---------------------------------------------------------------------------
+
+
+class _HashingWriter(io.RawIOBase):
+    """A write-only stream that forwards to ``f`` and hashes what passes through."""
+
+    def __init__(self, f):
+        self.f = f
+        self.sha = hashlib.sha256()
+        self.n = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        b = memoryview(b).cast("B")
+        self.f.write(b)
+        self.sha.update(b)
+        self.n += len(b)
+        return len(b)
+
+
+def _write_atomic(path: str, payload: dict) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(MAGIC)
+            w = _HashingWriter(f)
+            torch.save(payload, w)
+            f.write(_TRAILER_TAG + w.sha.hexdigest().encode() + b" " + b"%020d" % w.n + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    try:  # make the rename itself durable
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+
+
+def _check_save_path(path: str) -> str:
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"checkpoint path {path!r} is a directory; give a file path such as "
+                                f"{os.path.join(path, 'checkpoint.pt')!r}.")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"cannot save checkpoint {path!r}: directory {directory!r} does not exist.")
+    return path
+
+
+def read(path) -> dict:
+    """Read and verify a checkpoint file; return its payload (no process group needed).
+
+    Raises ``FileNotFoundError``, ``IsADirectoryError`` or :class:`CheckpointError`
+    (not a dlion checkpoint, truncated, checksum mismatch, unsupported version)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"checkpoint path {path!r} is a directory, not a checkpoint file.")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"checkpoint {path!r} does not exist.")
+    with open(path, "rb") as f:
+        data = f.read()
+    if not data.startswith(MAGIC):
+        raise CheckpointError(f"{path!r} is not a dlion checkpoint (its first bytes are not {MAGIC!r}).")
+    trailer = data[-_TRAILER_LEN:]
+    if len(data) < len(MAGIC) + _TRAILER_LEN or not trailer.startswith(_TRAILER_TAG) or not trailer.endswith(b"\n"):
+        raise CheckpointError(f"checkpoint {path!r} is truncated or corrupted: its checksum trailer is missing "
+                              f"({len(data)} bytes).")
+    try:
+        digest = trailer[len(_TRAILER_TAG):len(_TRAILER_TAG) + 64].decode("ascii")
+        length = int(trailer[len(_TRAILER_TAG) + 65:-1])
+    except (UnicodeDecodeError, ValueError):
+        raise CheckpointError(f"checkpoint {path!r} is corrupted: unreadable checksum trailer.") from None
+    payload = memoryview(data)[len(MAGIC):len(data) - _TRAILER_LEN]
+    if len(payload) != length:
+        raise CheckpointError(f"checkpoint {path!r} is truncated or corrupted: payload has {len(payload)} bytes, "
+                              f"the trailer says {length}.")
+    actual = hashlib.sha256(payload).hexdigest()
+    if actual != digest:
+        raise CheckpointError(f"checkpoint {path!r} is corrupted: SHA-256 of the payload is {actual[:16]}…, "
+                              f"the file records {digest[:16]}….")
+    try:
+        obj = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except Exception as e:  # checksum matched, so the writer put something unloadable in it
+        raise CheckpointError(f"checkpoint {path!r} passed its checksum but cannot be loaded safely: {e}") from e
+    if not isinstance(obj, dict) or obj.get("format") != "dlion-checkpoint":
+        raise CheckpointError(f"checkpoint {path!r} has an unexpected payload.")
+    if obj.get("version") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path!r} has format version {obj.get('version')!r}; this dlion "
+                              f"reads version {FORMAT_VERSION}.")
+    return obj
+
+
+# ---------------------------------------------------------------------------
+# save
+# ---------------------------------------------------------------------------
+
+
+def _tensor_digest(t: torch.Tensor) -> str:
+    t = t.detach().cpu().contiguous().reshape(-1)
+    return hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()[:32]
+
+
+def _rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _optimizer_config(opt_sd: Optional[dict]) -> dict:
+    if not opt_sd or "dlion" not in opt_sd:
+        return {}
+    d = opt_sd["dlion"]
+    return {k: d[k] for k in ("vote", "ties", "seed", "aggregate", "world_size") if k in d}
+
+
+def _check_loadable(obj, what: str) -> None:
+    buf = io.BytesIO()
+    try:
+        torch.save(obj, buf)
+        buf.seek(0)
+        torch.load(buf, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{what} cannot be stored: checkpoints are read with torch.load(weights_only=True), "
+                              f"which only accepts tensors, numbers, strings, bytes, None and "
+                              f"lists/tuples/dicts of these ({e}).") from e
+
+
+def save(path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, step: Any = None,
+         extra: Any = None, verify_replicas: bool = True, group=None) -> None:
+    """Write a checkpoint of ``model`` (once) and every rank's ``optimizer`` state to ``path``.
+
+    Collective: every rank of ``group`` (default: the world) must call it. Rank 0
+    writes the file atomically; every rank returns normally only if the file was
+    written, and raises the same error otherwise. ``step`` and ``extra`` (tensors,
+    numbers, strings, lists/dicts of them) are stored as given and returned by
+    :func:`load`. With ``verify_replicas`` rank 0 refuses to save parameters that
+    differ between ranks (:class:`dlion.distributed.DesyncError`).
+
+    The file holds: format version, world size, the optimizer's dlion config
+    (vote, ties, seed, aggregate), step, extra, the model's ``state_dict()``,
+    the list of every rank's ``optimizer.state_dict()``, every rank's RNG state,
+    and a SHA-256 of all that.
+    """
+    distributed, rank, world = _group_info(group)
+    error = None
+    try:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        path = os.fspath(path)
+        if rank == 0:  # only rank 0 writes; the others may not even see that directory
+            _check_save_path(path)
+            _check_loadable(extra, "extra")
+    except Exception as e:
+        error = e
+    mine = None
+    if error is None:
+        mine = {
+            "optimizer": optimizer.state_dict() if optimizer is not None else None,
+            "rng": _rng_state(),
+            "digests": [(name, _tensor_digest(t)) for name, t in model.state_dict().items()]
+                       if verify_replicas and distributed and world > 1 else None,
+        }
+    if distributed and world > 1:
+        # Agree first on whether everyone can take part (a bad argument on one rank must not hang the others).
+        oks: list = [None] * world
+        dist.all_gather_object(oks, None if error is None else f"rank {rank}: {type(error).__name__}: {error}",
+                               group=group)
+        bad = [m for m in oks if m is not None]
+        if bad:
+            if error is not None:
+                raise error
+            raise CheckpointError(f"checkpoint save to {path!r} abandoned: {bad[0]}")
+        everyone = _gather_to_root(mine, group, world)
+    else:
+        if error is not None:
+            raise error
+        everyone = [mine]
+    outcome = None
+    if rank == 0:
+        try:
+            if verify_replicas and world > 1:
+                _compare_replicas(everyone)
+            opt_states = [e["optimizer"] for e in everyone]
+            payload = {
+                "format": "dlion-checkpoint",
+                "version": FORMAT_VERSION,
+                "world_size": world,
+                "step": step,
+                "extra": extra,
+                "optimizer_config": _optimizer_config(opt_states[0]),
+                "optimizer_class": type(optimizer).__name__ if optimizer is not None else None,
+                "model": model.state_dict(),
+                "optimizer": opt_states if optimizer is not None else None,
+                "rng": [e["rng"] for e in everyone],
+                "torch_version": str(torch.__version__),
+            }
+            _write_atomic(path, payload)
+        except Exception as e:
+            outcome = e
+    if distributed and world > 1:
+        msg = None if outcome is None else (type(outcome).__name__, str(outcome))
+        msg = _broadcast_from_root(msg, group)
+        if rank != 0 and msg is not None:
+            from .distributed import DesyncError
+            cls = DesyncError if msg[0] == "DesyncError" else CheckpointError
+            raise cls(f"checkpoint save to {path!r} failed on rank 0 ({msg[0]}): {msg[1]}")
+    if outcome is not None:
+        raise outcome
+
+
+def _compare_replicas(everyone: list) -> None:
+    from .distributed import DesyncError
+
+    ref = everyone[0]["digests"]
+    for r, e in enumerate(everyone[1:], start=1):
+        for (name, a), (_, b) in zip(ref, e["digests"]):
+            if a != b:
+                raise DesyncError(f"refusing to save: model entry {name!r} differs between rank 0 and rank {r}; "
+                                  "replicas have diverged.")
+
+
+# ---------------------------------------------------------------------------
+# load
+# ---------------------------------------------------------------------------
+
+
+def _check_model(path: str, saved: dict, model: nn.Module) -> None:
+    current = model.state_dict()
+    missing = [k for k in current if k not in saved]
+    unexpected = [k for k in saved if k not in current]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing in the checkpoint: {', '.join(map(repr, missing[:5]))}"
+                         + (" …" if len(missing) > 5 else ""))
+        if unexpected:
+            parts.append(f"not in the model: {', '.join(map(repr, unexpected[:5]))}"
+                         + (" …" if len(unexpected) > 5 else ""))
+        raise CheckpointError(f"checkpoint {path!r} is for another model ({'; '.join(parts)}).")
+    for k, v in current.items():
+        s = saved[k]
+        if tuple(s.shape) != tuple(v.shape):
+            raise CheckpointError(f"checkpoint {path!r} is for another model: {k!r} has shape {tuple(s.shape)} "
+                                  f"in the checkpoint and {tuple(v.shape)} in the model.")
+        if s.dtype != v.dtype:
+            raise CheckpointError(f"checkpoint {path!r} is for another model: {k!r} has dtype {s.dtype} in the "
+                                  f"checkpoint and {v.dtype} in the model.")
+
+
+def _mean_state(states: list[dict], src: dict) -> dict:
+    """Element-wise mean over ranks of every floating tensor of ndim ≥ 1 in the per-parameter
+    state (a rank without the entry counts as zero); everything else from ``src``."""
+    n = len(states)
+    out = {"state": {}, "param_groups": src["param_groups"]}
+    if "dlion" in src:
+        out["dlion"] = src["dlion"]
+    keys = sorted({k for s in states for k in s["state"]}, key=lambda k: (str(type(k)), k))
+    for pid in keys:
+        per = [s["state"].get(pid, {}) for s in states]
+        base = src["state"].get(pid) or next(p for p in per if p)
+        entry = {}
+        for name in {k for p in per for k in p}:
+            vals = [p[name] for p in per if name in p]
+            ref = base.get(name, vals[0])
+            if isinstance(ref, torch.Tensor) and ref.is_floating_point() and ref.dim() >= 1:
+                total = torch.zeros(ref.shape, dtype=torch.float64)
+                for v in vals:
+                    total += v.to(torch.float64)
+                entry[name] = (total / n).to(ref.dtype)
+            else:
+                entry[name] = ref.clone() if isinstance(ref, torch.Tensor) else ref
+        out["state"][pid] = entry
+    return out
+
+
+def _check_optimizer_state(path: str, sd: dict, optimizer: torch.optim.Optimizer) -> None:
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    groups = sd.get("param_groups", [])
+    if len(groups) != len(optimizer.param_groups) or \
+            [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
+        raise CheckpointError(
+            f"checkpoint {path!r} has optimizer state for parameter groups of sizes "
+            f"{[len(g['params']) for g in groups]}, the optimizer has {[len(g['params']) for g in optimizer.param_groups]}.")
+    ids = [i for g in groups for i in g["params"]]
+    where = {pid: k for k, pid in enumerate(ids)}
+    for pid, st in sd["state"].items():
+        p = params[where[pid]]
+        for name, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dim() >= 1 and tuple(v.shape) != tuple(p.shape):
+                raise CheckpointError(
+                    f"checkpoint {path!r}: optimizer state {name!r} of parameter {where[pid]} has shape "
+                    f"{tuple(v.shape)}, the parameter has shape {tuple(p.shape)}.")
+
+
+def _apply_optimizer_state(optimizer: torch.optim.Optimizer, sd: dict) -> None:
+    optimizer.load_state_dict(sd)
+    # torch.optim casts floating state to the parameter's dtype; Lion keeps fp32
+    # momenta for bf16/fp16 parameters, so put the saved dtype back.
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    ids = [i for g in sd["param_groups"] for i in g["params"]]
+    for k, pid in enumerate(ids):
+        saved = sd["state"].get(pid)
+        if not saved:
+            continue
+        state = optimizer.state[params[k]]
+        for name, v in saved.items():
+            if isinstance(v, torch.Tensor) and isinstance(state.get(name), torch.Tensor) and state[name].dtype != v.dtype:
+                state[name] = v.to(device=state[name].device).clone()
+
+
+def load(path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, momenta: str = "mean",
+         strict: bool = False, restore_rng: bool = True, group=None) -> LoadInfo:
+    """Load a checkpoint written by :func:`save` into ``model`` and (optionally) ``optimizer``.
+
+    Collective when a process group is initialised: every rank reads ``path``
+    and verifies it, and all ranks raise if any rank cannot (missing file on
+    one host, a different file, a bad checksum). Nothing is modified until the
+    file has been verified and checked against the model and optimizer.
+
+    Same world size: rank r gets saved rank r's optimizer state and RNG state,
+    so training continues bitwise. Another world size: ``momenta="mean"``
+    (default) or ``"modulo"`` (see the module docstring); ``strict=True``
+    raises instead, and also when the saved optimizer config (vote, ties, seed,
+    aggregate) differs from ``optimizer``'s (otherwise that only warns).
+    Returns a :class:`LoadInfo`.
+    """
+    if momenta not in MOMENTA_POLICIES:
+        raise ValueError(f"momenta must be one of {', '.join(map(repr, MOMENTA_POLICIES))}, got {momenta!r}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    distributed, rank, world = _group_info(group)
+    obj, error = None, None
+    try:
+        obj = read(path)
+    except Exception as e:
+        error = e
+    if distributed and world > 1:
+        digest = None
+        if obj is not None:
+            with open(path, "rb") as f:
+                f.seek(-_TRAILER_LEN, os.SEEK_END)
+                digest = f.read()
+        views: list = [None] * world
+        dist.all_gather_object(views, (None if error is None else f"{type(error).__name__}: {error}", digest),
+                               group=group)
+        for r, (err, _) in enumerate(views):
+            if err is not None:
+                if error is not None:
+                    raise error
+                raise CheckpointError(f"rank {r} cannot read the checkpoint: {err}")
+        if any(d != views[0][1] for _, d in views):
+            raise CheckpointError(f"ranks read different checkpoint files at {path!r} (their checksums differ); "
+                                  "every rank must see the same file.")
+    elif error is not None:
+        raise error
+    path = os.fspath(path)
+    saved_world = int(obj["world_size"])
+
+    # -- check everything before changing anything ------------------------------
+    _check_model(path, obj["model"], model)
+    info = LoadInfo(path=path, step=obj.get("step"), extra=obj.get("extra"), saved_world_size=saved_world,
+                    world_size=world, rank=rank, policy="none")
+    opt_sd = None
+    notes = []
+    if optimizer is not None:
+        states = obj.get("optimizer")
+        if states is None:
+            raise CheckpointError(f"checkpoint {path!r} holds no optimizer state (it was saved with optimizer=None).")
+        if obj.get("optimizer_class") and obj["optimizer_class"] != type(optimizer).__name__:
+            raise CheckpointError(f"checkpoint {path!r} holds {obj['optimizer_class']} state; the optimizer is a "
+                                  f"{type(optimizer).__name__}.")
+        current = _optimizer_config(optimizer.state_dict()) if hasattr(optimizer, "rule") else {}
+        saved_cfg = dict(obj.get("optimizer_config", {}))
+        saved_cfg.pop("world_size", None)
+        current.pop("world_size", None)
+        info.config_changes = {k: (saved_cfg[k], current[k]) for k in saved_cfg
+                               if k in current and saved_cfg[k] != current[k]}
+        if info.config_changes:
+            what = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in info.config_changes.items())
+            if strict:
+                raise CheckpointError(f"checkpoint {path!r} was written with another optimizer config ({what}); "
+                                      "strict=True.")
+            notes.append(f"optimizer config changed ({what})")
+        if saved_world == world:
+            opt_sd = states[rank]
+            saved_rank = opt_sd.get("dlion", {}).get("rank", rank)
+            if saved_rank != rank:
+                raise CheckpointError(f"checkpoint {path!r}: entry {rank} holds rank {saved_rank}'s state.")
+            info.policy, info.source_ranks = "exact", [rank]
+        else:
+            if strict:
+                raise CheckpointError(f"checkpoint {path!r} was written by {saved_world} ranks; this job has "
+                                      f"{world} (strict=True refuses to adapt the per-rank momenta).")
+            src = states[rank % saved_world]
+            if momenta == "mean":
+                opt_sd = _mean_state(states, src)
+                info.source_ranks = list(range(saved_world))
+            else:
+                opt_sd = src
+                info.source_ranks = [rank % saved_world]
+            info.policy = momenta
+            if "dlion" in opt_sd:
+                opt_sd = dict(opt_sd, dlion=dict(opt_sd["dlion"], world_size=world, rank=rank))
+            notes.append(f"resized {saved_world} -> {world} ranks: momenta = "
+                         + ("mean of all saved ranks" if momenta == "mean" else f"saved rank {rank % saved_world}'s")
+                         + f", counters from saved rank {rank % saved_world}")
+        _check_optimizer_state(path, opt_sd, optimizer)
+    elif saved_world != world and strict:
+        raise CheckpointError(f"checkpoint {path!r} was written by {saved_world} ranks; this job has {world} "
+                              "(strict=True).")
+
+    # -- apply ---------------------------------------------------------------
+    with torch.no_grad():
+        model.load_state_dict(obj["model"], strict=True)
+    if opt_sd is not None:
+        _apply_optimizer_state(optimizer, opt_sd)
+    if restore_rng and saved_world == world and obj.get("rng"):
+        rng = obj["rng"][rank]
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        info.rng_restored = True
+    elif restore_rng and saved_world != world:
+        notes.append("RNG state not restored (world size changed)")
+    info.message = f"loaded {path!r} (step {info.step}) on rank {rank}/{world}" + (
+        ": " + "; ".join(notes) if notes else "")
+    if notes:
+        warnings.warn(info.message, CheckpointWarning, stacklevel=2)
+    return info
