@@ -84,8 +84,15 @@ class SignCodec:
         """The raw 0/1 bits (1 = +1) as uint8: cheaper than ±1 when only counting."""
         return unpack_bits(packed, n)
 
+    _luts: dict = {}
+
     def decode(self, packed: Tensor, n: int) -> Tensor:
-        return self.decode_bits(packed, n).to(torch.int8).mul_(2).sub_(1)
+        # A 256×8 table of ±1 rows: one gather per byte beats unpack-then-convert.
+        lut = self._luts.get(packed.device)
+        if lut is None:
+            bits = (torch.arange(256).view(-1, 1) >> torch.arange(8)) & 1
+            lut = self._luts[packed.device] = (bits * 2 - 1).to(torch.int8).to(packed.device)
+        return torch.index_select(lut, 0, packed.long()).view(-1)[:n]
 
 
 class TritCodec:
@@ -116,7 +123,7 @@ class TritCodec:
         return lut
 
     def decode(self, packed: Tensor, n: int) -> Tensor:
-        return self._lut(packed.device)[packed.long()].view(-1)[:n]
+        return torch.index_select(self._lut(packed.device), 0, packed.long()).view(-1)[:n]
 
 
 class FieldCodec:
@@ -135,21 +142,37 @@ class FieldCodec:
     def nbytes(self, n: int) -> int:
         return self.width * n // 8
 
+    def _small(self) -> torch.dtype:
+        return torch.uint8 if self.width <= 8 else torch.int16
+
     def encode(self, values: Tensor) -> Tensor:
         n = values.numel()
         if n % 8:
             raise ValueError(f"FieldCodec needs a length that is a multiple of 8, got {n}")
-        v = values.to(torch.int32) - self.lo
-        planes = [pack_bits(((v >> k) & 1).to(torch.uint8)) for k in range(self.width)]
+        # One byte (or two) per value before splitting into planes: 4× less memory traffic than int32.
+        v = (values.to(torch.int32) - self.lo).to(self._small())
+        planes = [pack_bits((v >> k) & 1 if k else v & 1) for k in range(self.width)]
         # Interleave per aligned group of 8 values so that concatenated chunks stay chunk-contiguous.
         return torch.stack(planes, dim=1).view(-1)
 
+    _luts: dict = {}
+
+    def _lut(self, k: int, device) -> Tensor:
+        """Row b: the 8 bits of byte b, each shifted to plane k's weight 2^k."""
+        key = (k, self._small(), device)
+        lut = self._luts.get(key)
+        if lut is None:
+            bits = (torch.arange(256).view(-1, 1) >> torch.arange(8)) & 1
+            lut = self._luts[key] = (bits << k).to(self._small()).to(device)
+        return lut
+
     def decode(self, packed: Tensor, n: int) -> Tensor:
         planes = packed.view(-1, self.width)
-        out = torch.zeros(planes.shape[0] * 8, dtype=torch.int32, device=packed.device)
+        out = None
         for k in range(self.width):
-            out.add_(unpack_bits(planes[:, k].contiguous(), planes.shape[0] * 8).to(torch.int32) << k)
-        return out[:n].add_(self.lo)
+            part = torch.index_select(self._lut(k, packed.device), 0, planes[:, k].long()).view(-1)
+            out = part if out is None else out.add_(part)  # planes never overlap: no carries
+        return out[:n].to(torch.int32).add_(self.lo)
 
     def __repr__(self) -> str:
         return f"FieldCodec(width={self.width}, lo={self.lo})"

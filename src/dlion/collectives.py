@@ -174,13 +174,20 @@ def pack_fields(values: Tensor, width: int) -> Tensor:
     return out
 
 
+_FIELD_LUTS: dict = {}
+
+
 def unpack_fields(words: Tensor, width: int, n: int) -> Tensor:
+    """Inverse of :func:`pack_fields` (as int16): one table gather per byte."""
     if width == 16:
-        return words.to(torch.int32)[:n]
-    k = 8 // width
-    mask = (1 << width) - 1
-    parts = [(words >> (width * j)) & mask for j in range(k)]
-    return torch.stack(parts, dim=1).view(-1)[:n].to(torch.int32)
+        return words[:n]
+    key = (width, words.device)
+    lut = _FIELD_LUTS.get(key)
+    if lut is None:
+        k, mask = 8 // width, (1 << width) - 1
+        lut = (torch.arange(256).view(-1, 1) >> (width * torch.arange(k))) & mask
+        lut = _FIELD_LUTS[key] = lut.to(torch.int16).to(words.device)
+    return torch.index_select(lut, 0, words.long()).view(-1)[:n]
 
 
 def field_sum(values: Tensor, max_sum: int, *, group=None, stats: CommStats) -> Tensor:
@@ -207,8 +214,8 @@ def pbit(delta: Tensor, zeros: bool, rule: VoteRule, *, group=None, stats: CommS
     """
     world, _ = _world(group)
     if not zeros:
-        plus = field_sum((delta > 0).to(torch.uint8), world, group=group, stats=stats)
-        s = (plus * 2 - world).to(torch.int16)
+        plus = field_sum((delta > 0).view(torch.uint8), world, group=group, stats=stats)
+        s = plus.to(torch.int16).mul_(2).sub_(world)
         nz = torch.full_like(s, world)
     else:
         v = (delta > 0).to(torch.int32) + (world + 1) * (delta < 0).to(torch.int32)

@@ -277,8 +277,9 @@ class DistributedLion(Lion):
                     flags[2 * k + 1] = 1
                 if self.aggregate == "quantized":
                     view.copy_(quantize(c, self.quant_levels, self.quant_norm).reshape(-1))
-                else:
-                    view.copy_(torch.sign(c).reshape(-1))
+                else:  # sign(c) as int8 without a float temporary: [c > 0] − [c < 0]
+                    cf = c.reshape(-1)
+                    torch.sub((cf > 0).view(torch.int8), (cf < 0).view(torch.int8), out=view)
                 flags[j] = 1
         if self.sign_hook is not None:
             b.buffer[:b.numel] = self.sign_hook(self.comm_stats.steps, b.buffer[:b.numel].clone())

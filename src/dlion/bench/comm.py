@@ -1,0 +1,83 @@
+"""``dlion bench comm``: each collective algorithm against an fp32 all-reduce of the
+same parameters, on N local Gloo ranks (loopback, no shaping).
+
+For every algorithm (``allgather``, ``1bit``, ``pbit``) and rule (``mavo``,
+``avg``) it runs the aggregation of one flat buffer of ``--params`` random signs
+``--steps`` times and prints the median time per step and the bytes per
+parameter per rank actually counted by ``CommStats`` (sent; received is the
+same), next to the formula (1 + b)(N−1)/N bits of the reduce-scatter pattern.
+Loopback on a 2-core machine is CPU-bound: compare rows of one run as ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from dlion.aggregation import VoteRule
+from dlion.bench.codec import parse_count
+from dlion.codec import ALIGN
+from dlion.collectives import ALGORITHMS, CommStats
+from dlion.spawn import spawn
+
+
+def _worker(rank: int, world: int, n: int, steps: int, rules: list) -> list[dict]:
+    g = torch.Generator().manual_seed(rank)
+    delta = (torch.randint(0, 2, (n,), generator=g, dtype=torch.int8) * 2 - 1)
+    rows = []
+
+    def measure(fn) -> float:
+        fn()
+        times = []
+        for _ in range(steps):
+            dist.barrier()
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    flat = torch.randn(n, generator=g)
+    t = measure(lambda: dist.all_reduce(flat))
+    rows.append(dict(method="fp32 all_reduce", vote="-", seconds=t, bytes=4 * n * 2 * (world - 1) / world))
+    for vote in rules:
+        rule = VoteRule(vote, world)
+        for name, algorithm in ALGORITHMS.items():
+            stats = CommStats()
+            t = measure(lambda: algorithm(delta, False, rule, stats=stats, key=0))
+            calls = steps + 1  # measure() makes one warm-up call
+            rows.append(dict(method=name, vote=vote, seconds=t, bytes=stats.bytes_sent / calls,
+                             b=rule.result_bits(False)))
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="dlion bench comm", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", default="4", help="world sizes, comma separated (default 4; e.g. 3,4)")
+    ap.add_argument("--params", type=parse_count, default=parse_count("16M"), help="coordinates (default 16M)")
+    ap.add_argument("--steps", type=int, default=5, help="timed repetitions per row (median)")
+    args = ap.parse_args(argv)
+    try:
+        worlds = [int(w) for w in args.workers.split(",")]
+    except ValueError:
+        ap.error(f"--workers must be comma-separated integers, got {args.workers!r}")
+    if any(w < 2 for w in worlds):
+        ap.error("--workers: every world size must be >= 2")
+    for world in worlds:
+        n = -(-args.params // (ALIGN * world)) * (ALIGN * world)
+        rows = spawn(_worker, world, n, args.steps, ["mavo", "avg"], timeout_s=600)[0]
+        base = rows[0]["seconds"]
+        print(f"\ndlion bench comm: N={world} ranks (Gloo, loopback), {n:,} parameters, median of {args.steps}")
+        print(f"{'algorithm':<16} {'vote':<5} {'ms/step':>9} {'vs fp32':>8} {'bits/param/rank':>16} "
+              f"{'(1+b)(N-1)/N':>13} {'ratio':>6}")
+        for r in rows:
+            bits = 8 * r["bytes"] / n
+            formula = (1 + r["b"]) * (world - 1) / world if "b" in r else None
+            ratio = f"{bits / formula:>6.3f}" if formula and r["method"] == "1bit" else f"{'':>6}"
+            print(f"{r['method']:<16} {r['vote']:<5} {r['seconds'] * 1e3:>9.2f} {r['seconds'] / base:>8.3f} "
+                  f"{bits:>16.3f} {formula if formula is not None else float('nan'):>13.3f} {ratio}")
+    return 0
