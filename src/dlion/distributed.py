@@ -250,7 +250,7 @@ class DistributedLion(Lion):
         """Fill ``b.buffer`` with this rank's δ (or q) and return the bucket's flags:
         [has_grad per param | abstains per param | bad gradient | non-finite]."""
         k = len(b.params)
-        flags = torch.zeros(2 * k + 2, dtype=torch.int32)
+        flags = torch.zeros(2 * k + 2, dtype=torch.int32)  # filled on the CPU, sent from the bucket's device
         b.buffer.zero_()
         error = None
         by_group: dict = {}
@@ -291,7 +291,9 @@ class DistributedLion(Lion):
 
     # -- steps 2 and 3: agree on flags, run the collective ---------------------
     def _communicate(self, b: Bucket, flags: Tensor, step: int) -> None:
+        flags = flags.to(b.device)  # NCCL only reduces device tensors
         self._all_reduce(flags, "flags")
+        flags = flags.cpu()
         k = len(b.params)
         b.has_grad = flags[:k].tolist()
         b.failed = int(flags[2 * k])
@@ -412,9 +414,11 @@ class DistributedLion(Lion):
         parameter per rank through an all-gather)."""
         if self.world_size == 1:
             return
-        mine = torch.stack([_checksum(p) for p in self._params]).view(torch.int32).reshape(-1)
-        everyone = torch.empty(mine.numel() * self.world_size, dtype=torch.int32)
+        device = self._params[0].device  # NCCL only gathers device tensors
+        mine = torch.stack([_checksum(p) for p in self._params]).view(torch.int32).reshape(-1).to(device)
+        everyone = torch.empty(mine.numel() * self.world_size, dtype=torch.int32, device=device)
         _all_gather(everyone, mine, group=self.process_group)
+        everyone = everyone.cpu()
         n = mine.numel() * 4
         self.comm_stats.add("check", n * (self.world_size - 1), n * (self.world_size - 1))
         table = everyone.view(self.world_size, len(self._params), 4)

@@ -1,0 +1,128 @@
+"""``dlion bench overlap``: does ``overlap=True`` hide communication behind backward?
+
+N ranks train the same MLP with several buckets (``--bucket-mb``) with
+DistributedLion, alternating ``overlap=False`` and ``overlap=True`` step by
+step in one run (so both see the same machine load), plus compute-only steps
+(forward + backward, no optimizer) as the lower bound. Prints the median step
+time of each and the share of communication hidden:
+
+    hidden = (t_off − t_on) / (t_off − t_compute)
+
+By default the ranks run in a virtual cluster with shaped links (root needed,
+see ``dlion cluster``) so that communication waits on the network, not on the
+two CPU cores; ``--loopback`` runs on plain loopback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+
+def build_model(width: int, depth: int) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(64, width), nn.ReLU()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    layers.append(nn.Linear(width, 10))
+    return nn.Sequential(*layers)
+
+
+def worker(rank: int, world: int, args: argparse.Namespace) -> dict:
+    import dlion
+
+    torch.set_num_threads(1)
+    model = build_model(args.width, args.depth)
+    opts = {ov: dlion.DistributedLion(model.parameters(), lr=1e-4, overlap=ov, bucket_cap_mb=args.bucket_mb,
+                                      comm=args.comm)
+            for ov in (False, True)}
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(args.batch, 64, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
+    times: dict = {"off": [], "on": [], "compute": []}
+    for it in range(args.warmup + args.steps):
+        for kind in ("compute", "off", "on"):
+            opt = opts[kind == "on"]
+            torch.distributed.barrier()
+            t = time.perf_counter()
+            model.zero_grad(set_to_none=True)
+            # The overlapping optimizer's hooks sit on the model: silence them unless it is its turn.
+            with (opts[True].no_sync() if kind != "on" else contextlib.nullcontext()):
+                nn.functional.cross_entropy(model(x), y).backward()
+            if kind != "compute":
+                opt.step()
+            if it >= args.warmup:
+                times[kind].append(time.perf_counter() - t)
+    return {"median": {k: statistics.median(v) for k, v in times.items()},
+            "buckets": len(opts[True]._buckets), "params": opts[True].num_params,
+            "bytes_per_step": opts[False].comm_stats.bytes_sent / max(1, opts[False].comm_stats.steps)}
+
+
+def _env_worker(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    out = worker(dist.get_rank(), dist.get_world_size(), args)
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(out), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+def report(out: dict, args: argparse.Namespace, where: str) -> None:
+    m = out["median"]
+    comm = m["off"] - m["compute"]
+    hidden = (m["off"] - m["on"]) / comm if comm > 0 else float("nan")
+    print(f"dlion bench overlap: {args.workers} ranks, {where}, MLP {out['params']:,} parameters in "
+          f"{out['buckets']} buckets, comm={args.comm}, batch {args.batch}, median of {args.steps} steps")
+    print(f"{'run':<28} {'ms/step':>9}")
+    print(f"{'compute only (fwd+bwd)':<28} {m['compute'] * 1e3:>9.1f}")
+    print(f"{'overlap=False':<28} {m['off'] * 1e3:>9.1f}")
+    print(f"{'overlap=True':<28} {m['on'] * 1e3:>9.1f}")
+    print(f"bytes sent per rank per step: {out['bytes_per_step']:,.0f}")
+    print(f"communication hidden by overlap: {100 * hidden:.0f}%  (speedup {m['off'] / m['on']:.2f}×)")
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="dlion bench overlap", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--link", default="200mbit", help="per-link rate in the virtual cluster (default 200mbit)")
+    ap.add_argument("--loopback", action="store_true", help="plain loopback, no namespaces (no root needed)")
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--depth", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--bucket-mb", type=float, default=4.0)
+    ap.add_argument("--comm", default="1bit", choices=("auto", "1bit", "allgather", "pbit"))
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.workers < 2:
+        ap.error("--workers must be >= 2")
+    if args.worker:
+        return _env_worker(args)
+    if args.loopback:
+        from dlion.spawn import spawn
+
+        report(spawn(worker, args.workers, args, timeout_s=900)[0], args, "loopback (no shaping)")
+        return 0
+    from dlion.cluster import VirtualCluster, exit_code
+
+    cmd = [sys.executable, "-m", "dlion", "bench", "overlap", "--worker"] + [a for a in argv if a != "--worker"]
+    with VirtualCluster(args.workers, link=args.link, prefix=f"dlov{os.getpid() % 10000}") as cluster:
+        results = cluster.run(cmd, timeout=1800)
+    if exit_code(results):
+        for r in results:
+            sys.stderr.write(f"[rank {r.rank}] exit {r.returncode}\n{r.stderr[-2000:]}\n")
+        return exit_code(results)
+    line = next(ln for ln in results[0].stdout.splitlines() if ln.startswith("RESULT "))
+    report(json.loads(line[len("RESULT "):]), args, f"virtual cluster, {args.link} links")
+    return 0
