@@ -1,0 +1,125 @@
+"""``dlion experiment``: convergence sweeps on real offline data with simulated workers.
+
+Examples::
+
+    # 1. tune lr / weight decay per method at N = 8 on held-out training data
+    dlion experiment --task mnist1d --tune --workers 8 --steps 120 --out docs/results/mnist1d
+    # 2. the sweep, reading the tuned config; --resume skips finished runs
+    dlion experiment --task mnist1d --workers 4,8,16,32 --seeds 0,1,2 --steps 120 \\
+        --config docs/results/mnist1d/tuned.json --out docs/results/mnist1d --fig-dir docs/figures --resume
+    # 3. redraw figures and tables from the results file
+    dlion experiment --task mnist1d --plot-only --out docs/results/mnist1d --fig-dir docs/figures
+
+Outputs in ``--out``: ``runs.jsonl`` (one line per finished run, written at
+once: the resume log), ``tune_runs.jsonl`` and ``tuned.json`` (tuning),
+``summary.csv`` / ``summary.json`` (mean ± std over seeds per method and N)
+and the figures ``results_<task>_*.png`` (in ``--fig-dir``, default ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from .runner import METHODS, load_runs, sweep, tune
+from .tasks import TASKS
+
+__all__ = ["main", "build_parser"]
+
+DEFAULT_BUDGET = {"mnist1d": 120, "digits": 120, "shakespeare": 100}
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+
+
+def _methods(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if names == ["all"]:
+        return list(METHODS)
+    bad = [n for n in names if n not in METHODS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown method(s) {bad}; choose from {', '.join(METHODS)} or 'all'")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dlion experiment", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", choices=TASKS, default="mnist1d")
+    p.add_argument("--methods", type=_methods, default=list(METHODS),
+                   help=f"comma-separated, or 'all' (default): {', '.join(METHODS)}")
+    p.add_argument("--workers", type=_ints, default=[4, 8, 16, 32], help="N values, e.g. 4,8,16,32")
+    p.add_argument("--seeds", type=_ints, default=[0, 1, 2])
+    p.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps per run, the same for every N (default: 120 for mnist1d/digits, 100 for shakespeare)")
+    p.add_argument("--out", default="experiment_out", help="results directory")
+    p.add_argument("--fig-dir", default=None, help="where the PNG figures go (default: --out)")
+    p.add_argument("--config", default=None, help="tuned hyperparameters (JSON written by --tune)")
+    p.add_argument("--resume", action="store_true", help="continue a sweep: skip runs already in runs.jsonl")
+    p.add_argument("--tune", action="store_true",
+                   help="grid-search lr/wd per method at the first --workers value and first seed; write tuned.json")
+    p.add_argument("--plot-only", action="store_true", help="only rebuild summary and figures from runs.jsonl")
+    p.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs (testing)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(max(1, args.threads))
+    task = args.task
+    budget = args.steps
+    if budget is None:
+        budget = DEFAULT_BUDGET[task]
+    if budget < 1:
+        print("dlion experiment: --steps must be >= 1", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    fig_dir = args.fig_dir or args.out
+
+    if args.tune:
+        path = os.path.join(args.out, "tune_runs.jsonl")
+        config = tune(task, args.methods, args.workers[0], args.seeds[0], budget, path, quiet=args.quiet)
+        out = os.path.join(args.out, "tuned.json")
+        with open(out, "w") as f:
+            json.dump(config, f, indent=1)
+        for m, c in config["methods"].items():
+            print(f"{m:15s} lr={c['lr']:g} weight_decay={c['weight_decay']:g} score={c['score']:.4f}")
+        print(f"wrote {out}")
+        return 0
+
+    runs_path = os.path.join(args.out, "runs.jsonl")
+    if not args.plot_only:
+        if load_runs(runs_path) and not args.resume:
+            print(f"dlion experiment: {runs_path} already holds runs; pass --resume to continue that sweep "
+                  "(finished runs are skipped) or choose another --out", file=sys.stderr)
+            return 2
+        config = None
+        if args.config:
+            with open(args.config) as f:
+                config = json.load(f)
+            if config.get("task", task) != task:
+                print(f"dlion experiment: config is for task {config.get('task')!r}, not {task!r}", file=sys.stderr)
+                return 2
+        sweep(task, args.methods, args.workers, args.seeds, budget, runs_path, config,
+              quiet=args.quiet, max_runs=args.max_runs)
+
+    from .plots import report
+
+    runs = [r for r in load_runs(runs_path) if r["task"] == task and r["budget"] == budget
+            and r["method"] in args.methods and r["workers"] in args.workers and r["seed"] in args.seeds]
+    if not runs:
+        print("dlion experiment: no finished runs to summarise", file=sys.stderr)
+        return 1
+    for line in report(runs, args.out, fig_dir):
+        print(line)
+    return 0

@@ -1,0 +1,316 @@
+"""Methods, one training run, tuning and resumable sweeps.
+
+A *method* turns the N workers' stacked gradients of one step into a parameter
+update and counts its communication in bits per parameter per iteration:
+
+=================  ==========================================================  ===========================
+method             aggregation → update                                        bits / param / iteration
+=================  ==========================================================  ===========================
+``glion``          fp32 mean → Lion                                            32 + 32
+``gadamw``         fp32 mean → AdamW                                           32 + 32
+``terngrad``       TernGrad (shared scale, clip 2.5σ) → SGD, momentum 0.9      log2 3 + log2(2N+1) (+scales)
+``graddrop``       top-1 % of g + residual → AdamW                             64·k/d + 64·|∪|/d
+``dgc``            top-0.1 %, momentum correction, masking, warm-up → SGD      64·k/d + 64·|∪|/d
+``dlion_avg``      D-Lion, Δ = mean of signs                                   measured (≈ 1 + log2(N+1))
+``dlion_mavo``     D-Lion, Δ = sign(Σ signs) (majority vote)                   measured (≈ 1 + 1)
+``lioncub_quant``  Lion Cub: c quantised (L1 scale, 8-bit fields), Δ = sign Σq  measured
+``lioncub_msync``  Lion Cub: MaVo + fp32 momentum averaging every K = 32 steps  measured (≈ 2 + 64/K)
+=================  ==========================================================  ===========================
+
+The D-Lion / Lion Cub methods run :class:`dlion.simulate.SimulatedDistributedLion`
+(the bitwise twin of the real distributed optimizer) with ``comm="1bit"`` (the 1-bit all-reduce: all-to-all + all-gather);
+their bits are measured from the wire formats: the bytes one rank *sends* per
+step through the collectives, ×8 / d. In an all-reduce every rank sends about
+what a parameter-server worker uploads plus downloads (an fp32 ring all-reduce
+sends 2·(N−1)/N·32 ≈ 64 bits), so this is the papers' "up + down". The
+baselines are counted in that parameter-server accounting by
+:mod:`dlion.experiments.baselines`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..lion import Lion
+from ..simulate import SimulatedDistributedLion
+from . import baselines as B
+from .tasks import Task, make_task
+
+__all__ = ["METHODS", "LABELS", "GRIDS", "DEFAULTS", "make_method", "run_one", "run_key", "sweep", "tune",
+           "load_runs", "MOMENTUM_SYNC_K"]
+
+MOMENTUM_SYNC_K = 32
+
+METHODS = ("glion", "gadamw", "terngrad", "graddrop", "dgc", "dlion_avg", "dlion_mavo",
+           "lioncub_quant", "lioncub_msync")
+
+LABELS = {
+    "glion": "G-Lion", "gadamw": "G-AdamW", "terngrad": "TernGrad", "graddrop": "GradDrop", "dgc": "DGC",
+    "dlion_avg": "D-Lion Avg", "dlion_mavo": "D-Lion MaVo", "lioncub_quant": "Lion Cub quant (L1, 8b)",
+    "lioncub_msync": f"Lion Cub MaVo+msync K={MOMENTUM_SYNC_K}",
+}
+
+FAMILY = {"glion": "lion", "dlion_avg": "lion", "dlion_mavo": "lion", "lioncub_quant": "lion",
+          "lioncub_msync": "lion", "gadamw": "adamw", "graddrop": "adamw", "terngrad": "sgdm", "dgc": "sgdm"}
+
+# Short per-family grids (lr × weight decay) searched by --tune at one N. To fit the
+# compute budget only the lr is searched; the weight decay is fixed per family.
+GRIDS = {
+    "mnist1d": {"lion": {"lr": [1e-3, 3e-3, 1e-2], "weight_decay": [0.1]},
+                "adamw": {"lr": [3e-3, 1e-2, 3e-2], "weight_decay": [0.01]},
+                "sgdm": {"lr": [0.03, 0.1, 0.3], "weight_decay": [0.0]}},
+    "digits": {"lion": {"lr": [1e-3, 3e-3, 1e-2], "weight_decay": [0.0, 0.5]},
+               "adamw": {"lr": [3e-3, 1e-2, 3e-2], "weight_decay": [0.0, 0.05]},
+               "sgdm": {"lr": [0.03, 0.1, 0.3], "weight_decay": [0.0, 5e-4]}},
+    "shakespeare": {"lion": {"lr": [3e-3, 1e-2, 3e-2], "weight_decay": [0.1]},
+                    "adamw": {"lr": [1e-2, 3e-2, 1e-1], "weight_decay": [0.1]},
+                    "sgdm": {"lr": [0.1, 0.3, 1.0], "weight_decay": [0.0]}},
+}
+# Used when no tuned config is given: the middle of each grid.
+DEFAULTS = {task: {fam: {"lr": g["lr"][len(g["lr"]) // 2], "weight_decay": g["weight_decay"][0]}
+                   for fam, g in grids.items()} for task, grids in GRIDS.items()}
+BETAS = {"mnist1d": {"lion": (0.9, 0.99), "adamw": (0.9, 0.999)},
+         "digits": {"lion": (0.9, 0.99), "adamw": (0.9, 0.999)},
+         "shakespeare": {"lion": (0.95, 0.98), "adamw": (0.9, 0.99)}}
+
+
+class GlobalMethod:
+    """An aggregator from :mod:`baselines` followed by a global optimizer."""
+
+    def __init__(self, name, params, world_size, hp, betas, seed, total_steps):
+        self.params = params
+        shapes = [p.shape for p in params]
+        lr, wd = hp["lr"], hp["weight_decay"]
+        if name in ("glion", "gadamw"):
+            self.agg = B.MeanFP32(shapes, world_size)
+        elif name == "terngrad":
+            self.agg = B.TernGrad(shapes, world_size, seed=seed)
+        elif name == "graddrop":
+            self.agg = B.GradDrop(shapes, world_size, density=0.01)
+        elif name == "dgc":
+            self.agg = B.DGC(shapes, world_size, density=0.001, momentum=0.9,
+                             warmup_steps=max(1, total_steps // 10))
+        else:
+            raise ValueError(name)
+        if name == "glion":
+            self.opt = Lion(params, lr=lr, betas=betas["lion"], weight_decay=wd)
+        elif name in ("gadamw", "graddrop"):
+            self.opt = torch.optim.AdamW(params, lr=lr, betas=betas["adamw"], weight_decay=wd)
+        elif name == "terngrad":
+            self.opt = torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=wd)
+        else:  # dgc: the momentum lives in the workers
+            self.opt = torch.optim.SGD(params, lr=lr, momentum=0.0, weight_decay=wd)
+
+    def step(self, grads):
+        agg = self.agg(grads)
+        for p, g in zip(self.params, agg):
+            p.grad = g.to(p.dtype)
+        self.opt.step()
+        for p in self.params:
+            p.grad = None
+
+    def bits(self) -> dict:
+        up, down = self.agg.bits.per_param_per_step()
+        return {"bits_up": up, "bits_down": down, "bits": up + down, "bits_source": "formula"}
+
+
+class SimMethod:
+    """D-Lion / Lion Cub through :class:`SimulatedDistributedLion`."""
+
+    def __init__(self, name, params, world_size, hp, betas, seed):
+        kw = dict(vote="mavo", comm="1bit")
+        if name == "dlion_avg":
+            kw["vote"] = "avg"
+        elif name == "lioncub_quant":
+            kw.update(aggregate="quantized", quant_norm="l1", quant_bits=8)
+        elif name == "lioncub_msync":
+            kw.update(momentum_sync=MOMENTUM_SYNC_K)
+        elif name != "dlion_mavo":
+            raise ValueError(name)
+        self.sim = SimulatedDistributedLion(params, world_size, lr=hp["lr"], betas=betas["lion"],
+                                            weight_decay=hp["weight_decay"], seed=seed, **kw)
+        self.world_size = world_size
+
+    def step(self, grads):
+        self.sim.step([[g[i] for g in grads] for i in range(self.world_size)])
+
+    def bits(self) -> dict:
+        cs, d = self.sim.comm_stats, self.sim.num_params
+        sent = 8.0 * cs.bytes_sent / (d * cs.steps) if cs.steps else 0.0
+        return {"bits": sent, "bits_sent_plus_received": cs.bits_per_param_per_step(d),
+                "bits_by_kind": {k: 8.0 * v[0] / (d * cs.steps) for k, v in cs.by_kind.items()} if cs.steps else {},
+                "bits_source": "measured"}
+
+
+def make_method(name, params, world_size, hp, task_name, seed, total_steps):
+    betas = BETAS[task_name]
+    if name.startswith(("dlion", "lioncub")):
+        return SimMethod(name, params, world_size, hp, betas, seed)
+    return GlobalMethod(name, params, world_size, hp, betas, seed, total_steps)
+
+
+def total_steps(task: Task, world_size: int, budget: int) -> int:
+    return budget
+
+
+def run_key(task: str, method: str, world_size: int, seed: int, budget: int, hp: dict, tune: bool = False) -> str:
+    h = json.dumps({"lr": hp["lr"], "wd": hp["weight_decay"]}, sort_keys=True)
+    return f"{task}|{'tune|' if tune else ''}{method}|N={world_size}|seed={seed}|budget={budget}|{h}"
+
+
+def run_one(task_name: str, method: str, world_size: int, seed: int, budget: int, hp: dict,
+            tune: bool = False) -> dict:
+    """Train one model with ``world_size`` simulated workers; return the record."""
+    task = make_task(task_name, tune)
+    model = task.make_model(seed)
+    params = list(model.parameters())
+    steps = total_steps(task, world_size, budget)
+    m = make_method(method, params, world_size, hp, task_name, seed, steps)
+    points = task.eval_points(budget, world_size)
+    curve, train_loss, losses = [], [], []
+    t0 = time.time()
+    diverged = False
+    pi = 0
+    step = 0
+    for x, y, progress in task.batches(world_size, seed, budget):
+        grads, loss = task.per_worker_grads(model, x, y)
+        m.step(grads)
+        step += 1
+        losses.append(loss)
+        if not math.isfinite(loss) or not all(torch.isfinite(p).all() for p in params):
+            diverged = True
+        if pi < len(points) and progress >= points[pi] - 1e-9:
+            metric = task.evaluate(model) if not diverged else float("nan")
+            curve.append([task.epoch_of(points[pi], world_size), metric, points[pi]])
+            train_loss.append([points[pi], sum(losses) / len(losses)])
+            losses = []
+            pi += 1
+        if diverged:
+            break
+    final = curve[-1][1] if curve and not diverged else float("nan")
+    rec = {"key": run_key(task_name, method, world_size, seed, budget, hp, tune), "task": task_name,
+           "tune": tune, "method": method, "workers": world_size, "seed": seed, "budget": budget,
+           "budget_unit": task.budget_unit, "steps": step, "local_batch": task.local_batch,
+           "lr": hp["lr"], "weight_decay": hp["weight_decay"], "metric": task.metric,
+           "final": final, "diverged": diverged, "curve": curve, "train_loss": train_loss,
+           "num_params": sum(p.numel() for p in params), "seconds": round(time.time() - t0, 2)}
+    rec.update(m.bits())
+    return rec
+
+
+def load_runs(path: str) -> list[dict]:
+    """Records of a JSONL results file; a torn last line (interrupted write) is ignored."""
+    runs = []
+    if not os.path.exists(path):
+        return runs
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                runs.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return runs
+
+
+def _append(path: str, rec: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def hparams_for(config: Optional[dict], task: str, method: str) -> dict:
+    if config and method in config.get("methods", {}):
+        c = config["methods"][method]
+        return {"lr": c["lr"], "weight_decay": c["weight_decay"]}
+    return dict(DEFAULTS[task][FAMILY[method]])
+
+
+def _progress(total, desc, quiet):
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, disable=quiet, dynamic_ncols=True, mininterval=1.0)
+
+
+def sweep(task: str, methods, workers, seeds, budget: int, runs_path: str, config: Optional[dict] = None,
+          quiet: bool = False, max_runs: Optional[int] = None) -> list[dict]:
+    """Run every (method, N, seed) not already in ``runs_path``; append each finished
+    run to it at once. Returns all records of this sweep (old and new)."""
+    done = {r["key"]: r for r in load_runs(runs_path)}
+    jobs = []
+    for seed in seeds:
+        for n in workers:
+            for method in methods:
+                hp = hparams_for(config, task, method)
+                jobs.append((method, n, seed, hp, run_key(task, method, n, seed, budget, hp)))
+    todo = [j for j in jobs if j[4] not in done]
+    bar = _progress(len(jobs), f"{task} sweep", quiet)
+    bar.update(len(jobs) - len(todo))
+    ran = 0
+    for method, n, seed, hp, key in todo:
+        if max_runs is not None and ran >= max_runs:
+            break
+        bar.set_postfix_str(f"{method} N={n} seed={seed}")
+        rec = run_one(task, method, n, seed, budget, hp)
+        _append(runs_path, rec)
+        done[key] = rec
+        ran += 1
+        bar.update(1)
+    bar.close()
+    return [done[j[4]] for j in jobs if j[4] in done]
+
+
+def tune(task: str, methods, world_size: int, seed: int, budget: int, runs_path: str,
+         quiet: bool = False) -> dict:
+    """Grid search per method at one N on a held-out part of the training data;
+    returns the config ``{"methods": {method: {lr, weight_decay, score, grid}}}``.
+    Runs are appended to ``runs_path`` and skipped when already there (resumable)."""
+    from itertools import product
+
+    done = {r["key"]: r for r in load_runs(runs_path)}
+    jobs = []
+    for method in methods:
+        g = GRIDS[task][FAMILY[method]]
+        for lr, wd in product(g["lr"], g["weight_decay"]):
+            hp = {"lr": lr, "weight_decay": wd}
+            jobs.append((method, hp, run_key(task, method, world_size, seed, budget, hp, tune=True)))
+    bar = _progress(len(jobs), f"{task} tune N={world_size}", quiet)
+    bar.update(sum(j[2] in done for j in jobs))
+    for method, hp, key in jobs:
+        if key in done:
+            continue
+        bar.set_postfix_str(f"{method} lr={hp['lr']:g} wd={hp['weight_decay']:g}")
+        rec = run_one(task, method, world_size, seed, budget, hp, tune=True)
+        _append(runs_path, rec)
+        done[key] = rec
+        bar.update(1)
+    bar.close()
+    higher = make_task(task, True).higher_is_better
+    config = {"task": task, "tuned_at_workers": world_size, "tune_seed": seed, "budget": budget,
+              "selection": "best mean of the last 3 evaluations on held-out training data", "methods": {}}
+    for method in methods:
+        rows = []
+        for m, hp, key in jobs:
+            if m != method:
+                continue
+            r = done[key]
+            tail = [c[1] for c in r["curve"][-3:]]
+            score = sum(tail) / len(tail) if tail and not r["diverged"] else float("nan")
+            rows.append({"lr": hp["lr"], "weight_decay": hp["weight_decay"], "score": score})
+        ok = [r for r in rows if math.isfinite(r["score"])]
+        best = (max if higher else min)(ok, key=lambda r: r["score"]) if ok else dict(
+            DEFAULTS[task][FAMILY[method]], score=float("nan"))
+        config["methods"][method] = {"lr": best["lr"], "weight_decay": best["weight_decay"],
+                                     "score": best["score"], "grid": rows}
+    return config

@@ -1,0 +1,268 @@
+"""Tasks of the convergence sweeps: data, model, per-worker gradients, evaluation.
+
+``mnist1d``      MNIST-1D (4000 train / 1000 test) with :class:`dlion.models.CNN1D`,
+                 local batch 32; metric: test accuracy.
+``digits``       scikit-learn digits (1437 / 360) with :class:`dlion.models.DigitsCNN`,
+                 local batch 32; metric: test accuracy.
+``shakespeare``  character-level :class:`dlion.models.CharGPT` (2 layers, 4 heads,
+                 width 32, context 32) on the Shakespeare corpus, local batch 4
+                 windows of 32 characters; metric: validation loss (nats/char).
+
+The budget is a fixed number of optimizer steps for every N (the global batch
+grows with N: N·32 samples per step), so every N gets the same number of
+updates and larger N sees more data; curves of the image tasks are plotted
+against epochs (samples seen / training-set size). The compute available for
+these sweeps (two shared CPU cores) could not pay for the papers' fixed-epoch
+protocol at N = 32 with a useful number of steps.
+
+Data parallelism: worker i of N gets its own disjoint shard. For the image
+tasks it is :func:`dlion.data.shard` of a per-epoch seeded permutation (like
+``DistributedSampler``), cut into local batches; for Shakespeare the training
+stream is cut into chunks of 4096 characters and chunk j belongs to worker
+j mod N (every worker sees every play, no two workers share text), from which
+each worker draws random windows with its own generator.
+
+``tune=True`` holds out part of the *training* data as a validation set (the
+last 500 training samples, or the last 5 % of the training stream) and trains
+on the rest, so hyperparameters are never chosen on the test/validation data
+that the sweep reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+from ..data import char_batches, load_digits_split, load_mnist1d, load_shakespeare, shard
+from ..models import CNN1D, CharGPT, DigitsCNN
+
+__all__ = ["TASKS", "Task", "ImageTask", "ShakespeareTask", "make_task"]
+
+
+class Task:
+    name: str = ""
+    metric: str = ""          # the reported metric
+    higher_is_better: bool = True
+    budget_unit: str = ""     # "epochs" or "steps"
+    local_batch: int = 32
+
+    def make_model(self, seed: int) -> nn.Module:
+        raise NotImplementedError
+
+    def batches(self, world_size: int, seed: int, budget: int) -> Iterator[tuple[Tensor, Tensor, float]]:
+        """Yield (x, y, progress) with x, y stacked per worker (N, B, ...); progress
+        in budget units (epochs or steps) after this step."""
+        raise NotImplementedError
+
+    def eval_points(self, budget: int, world_size: int) -> list[float]:
+        raise NotImplementedError
+
+    def per_worker_grads(self, model: nn.Module, x: Tensor, y: Tensor) -> tuple[list[Tensor], float]:
+        """Stacked gradients [(N, *p.shape) per parameter] and the mean training loss."""
+        raise NotImplementedError
+
+    def evaluate(self, model: nn.Module) -> float:
+        raise NotImplementedError
+
+
+def _causal_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
+    if attn_mask is not None or dropout_p:
+        raise NotImplementedError("only the causal, dropout-free attention of CharGPT is supported here")
+    T, S = q.shape[-2], k.shape[-2]
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    if is_causal:
+        keep = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
+        att = att.masked_fill(~keep, float("-inf"))
+    return att.softmax(-1) @ v
+
+
+@contextlib.contextmanager
+def _plain_attention():
+    original = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = _causal_attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def _params(model: nn.Module) -> dict[str, Tensor]:
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+@dataclass
+class ImageTask(Task):
+    name: str = "mnist1d"
+    tune: bool = False
+    metric: str = "test_accuracy"
+    higher_is_better: bool = True
+    budget_unit: str = "steps"
+    local_batch: int = 32
+    num_evals: int = 12
+    data: tuple = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.name == "mnist1d":
+            xtr, ytr, xte, yte = load_mnist1d()
+        elif self.name == "digits":
+            xtr, ytr, xte, yte = load_digits_split()
+        else:
+            raise ValueError(self.name)
+        if self.tune:
+            xtr, ytr, xte, yte = xtr[:-500 if self.name == "mnist1d" else -300], \
+                ytr[:-500 if self.name == "mnist1d" else -300], \
+                xtr[-500 if self.name == "mnist1d" else -300:], ytr[-500 if self.name == "mnist1d" else -300:]
+            self.metric = "val_accuracy"
+        self.data = (xtr, ytr, xte, yte)
+
+    def make_model(self, seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return CNN1D() if self.name == "mnist1d" else DigitsCNN()
+
+    def steps_per_epoch(self, world_size: int) -> int:
+        n = self.data[0].shape[0]
+        return max(1, (n // world_size) // self.local_batch)
+
+    def batches(self, world_size, seed, budget):
+        """``budget`` steps; progress is reported in steps, ``epoch_of`` converts."""
+        xtr, ytr = self.data[0], self.data[1]
+        spe = self.steps_per_epoch(world_size)
+        B = self.local_batch
+        step, epoch = 0, 0
+        while True:
+            idx = torch.stack([shard(xtr.shape[0], r, world_size, seed=seed, epoch=epoch) for r in range(world_size)])
+            for s in range(spe):
+                sel = idx[:, s * B:(s + 1) * B]
+                step += 1
+                yield xtr[sel], ytr[sel], float(step)
+                if step >= budget:
+                    return
+            epoch += 1
+
+    def epoch_of(self, step: float, world_size: int) -> float:
+        """Samples seen after ``step`` steps, in training-set passes."""
+        return step * world_size * self.local_batch / self.data[0].shape[0]
+
+    def eval_points(self, budget, world_size):
+        every = max(1, budget // self.num_evals)
+        pts = list(range(every, budget + 1, every))
+        if pts[-1] != budget:
+            pts.append(budget)
+        return [float(p) for p in pts]
+
+    def per_worker_grads(self, model, x, y):
+        params = _params(model)
+
+        def loss_fn(p, xb, yb):
+            loss = F.cross_entropy(functional_call(model, p, (xb,)), yb)
+            return loss, loss
+
+        grads, losses = vmap(grad(loss_fn, has_aux=True), in_dims=(None, 0, 0))(params, x, y)
+        return [grads[n] for n in params], float(losses.mean())
+
+    @torch.no_grad()
+    def evaluate(self, model):
+        xte, yte = self.data[2], self.data[3]
+        return float((model(xte).argmax(1) == yte).float().mean())
+
+
+@dataclass
+class ShakespeareTask(Task):
+    name: str = "shakespeare"
+    tune: bool = False
+    metric: str = "val_loss"
+    higher_is_better: bool = False
+    budget_unit: str = "steps"
+    local_batch: int = 4
+    block_size: int = 32
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 32
+    chunk: int = 4096
+    eval_windows: int = 128
+    num_evals: int = 10
+    data: tuple = field(default=None, repr=False)
+
+    def __post_init__(self):
+        train, val, vocab = load_shakespeare()
+        if self.tune:
+            cut = int(len(train) * 0.95)
+            train, val = train[:cut], train[cut:]
+            self.metric = "tune_val_loss"
+        self.vocab = vocab
+        self.data = (train, val)
+        g = torch.Generator().manual_seed(1234)
+        self.val_x, self.val_y = char_batches(val, self.block_size, self.eval_windows, generator=g)
+
+    def make_model(self, seed):
+        torch.manual_seed(seed)
+        return CharGPT(len(self.vocab), self.block_size, self.n_layer, self.n_head, self.n_embd)
+
+    def worker_stream(self, rank: int, world_size: int) -> Tensor:
+        train = self.data[0]
+        n_chunks = train.numel() // self.chunk
+        chunks = train[: n_chunks * self.chunk].view(n_chunks, self.chunk)
+        return chunks[rank::world_size].reshape(-1)
+
+    def batches(self, world_size, seed, budget):
+        streams = [self.worker_stream(r, world_size) for r in range(world_size)]
+        gens = [torch.Generator().manual_seed(seed * 1000 + r) for r in range(world_size)]
+        for step in range(budget):
+            xs, ys = zip(*(char_batches(s, self.block_size, self.local_batch, generator=g)
+                           for s, g in zip(streams, gens)))
+            yield torch.stack(xs), torch.stack(ys), float(step + 1)
+
+    def eval_points(self, budget, world_size):
+        every = max(1, budget // self.num_evals)
+        pts = list(range(every, budget + 1, every))
+        if pts[-1] != budget:
+            pts.append(budget)
+        return [float(p) for p in pts]
+
+    def epoch_of(self, step: float, world_size: int) -> float:
+        return step
+
+    def per_worker_grads(self, model, x, y):
+        # One vmap over the workers. scaled_dot_product_attention has no batching
+        # rule on CPU (vmap would fall back to a slow per-sample loop), so inside
+        # this call it is replaced by the textbook causal attention
+        # softmax(QKᵀ/√d + causal mask)·V, equal to it within float rounding.
+        params = _params(model)
+
+        def loss_fn(p, xb, yb):
+            loss = functional_call(model, p, (xb, yb))[1]
+            return loss, loss
+
+        with _plain_attention():
+            grads, losses = vmap(grad(loss_fn, has_aux=True), in_dims=(None, 0, 0))(params, x, y)
+        return [grads[n] for n in params], float(losses.mean())
+
+    @torch.no_grad()
+    def evaluate(self, model):
+        losses = [float(model(self.val_x[i:i + 64], self.val_y[i:i + 64])[1])
+                  for i in range(0, self.val_x.shape[0], 64)]
+        return sum(losses) / len(losses)
+
+
+TASKS = ("mnist1d", "digits", "shakespeare")
+
+_CACHE: dict = {}
+
+
+def make_task(name: str, tune: bool = False) -> Task:
+    key = (name, tune)
+    if key not in _CACHE:
+        if name in ("mnist1d", "digits"):
+            _CACHE[key] = ImageTask(name=name, tune=tune)
+        elif name == "shakespeare":
+            _CACHE[key] = ShakespeareTask(tune=tune)
+        else:
+            raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
+    return _CACHE[key]
