@@ -224,6 +224,18 @@ def load_runs(path: str) -> list[dict]:
     return runs
 
 
+def repair(path: str) -> None:
+    """Cut a torn last line (a run killed while its record was being written), so
+    that the next record starts on a line of its own."""
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data.endswith(b"\n"):
+            return
+        f.truncate(data.rfind(b"\n") + 1)
+
+
 def _append(path: str, rec: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(rec) + "\n")
@@ -247,6 +259,7 @@ def sweep(task: str, methods, workers, seeds, budget: int, runs_path: str, confi
           quiet: bool = False, max_runs: Optional[int] = None) -> list[dict]:
     """Run every (method, N, seed) not already in ``runs_path``; append each finished
     run to it at once. Returns all records of this sweep (old and new)."""
+    repair(runs_path)
     done = {r["key"]: r for r in load_runs(runs_path)}
     jobs = []
     for seed in seeds:
@@ -278,6 +291,7 @@ def tune(task: str, methods, world_size: int, seed: int, budget: int, runs_path:
     Runs are appended to ``runs_path`` and skipped when already there (resumable)."""
     from itertools import product
 
+    repair(runs_path)
     done = {r["key"]: r for r in load_runs(runs_path)}
     jobs = []
     for method in methods:
