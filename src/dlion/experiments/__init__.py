@@ -25,12 +25,12 @@ import sys
 
 import torch
 
-from .runner import METHODS, load_runs, sweep, tune
+from .runner import METHODS, hparams_for, load_runs, sweep, tune
 from .tasks import TASKS
 
 __all__ = ["main", "build_parser"]
 
-DEFAULT_BUDGET = {"mnist1d": 120, "digits": 120, "shakespeare": 100}
+DEFAULT_BUDGET = {"mnist1d": 120, "digits": 120, "shakespeare": 200}
 
 
 def _ints(text: str) -> list[int]:
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=_ints, default=[4, 8, 16, 32], help="N values, e.g. 4,8,16,32")
     p.add_argument("--seeds", type=_ints, default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=None,
-                   help="optimizer steps per run, the same for every N (default: 120 for mnist1d/digits, 100 for shakespeare)")
+                   help="optimizer steps per run, the same for every N (default: 120 for mnist1d/digits, 200 for shakespeare)")
     p.add_argument("--out", default="experiment_out", help="results directory")
     p.add_argument("--fig-dir", default=None, help="where the PNG figures go (default: --out)")
     p.add_argument("--config", default=None, help="tuned hyperparameters (JSON written by --tune)")
@@ -98,25 +98,27 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     runs_path = os.path.join(args.out, "runs.jsonl")
+    config = None
+    if args.config:
+        with open(args.config) as f:
+            config = json.load(f)
+        if config.get("task", task) != task:
+            print(f"dlion experiment: config is for task {config.get('task')!r}, not {task!r}", file=sys.stderr)
+            return 2
     if not args.plot_only:
         if load_runs(runs_path) and not args.resume:
             print(f"dlion experiment: {runs_path} already holds runs; pass --resume to continue that sweep "
                   "(finished runs are skipped) or choose another --out", file=sys.stderr)
             return 2
-        config = None
-        if args.config:
-            with open(args.config) as f:
-                config = json.load(f)
-            if config.get("task", task) != task:
-                print(f"dlion experiment: config is for task {config.get('task')!r}, not {task!r}", file=sys.stderr)
-                return 2
         sweep(task, args.methods, args.workers, args.seeds, budget, runs_path, config,
               quiet=args.quiet, max_runs=args.max_runs)
 
     from .plots import report
 
+    # this sweep's runs only: same budget, and the hyperparameters of the config in force
     runs = [r for r in load_runs(runs_path) if r["task"] == task and r["budget"] == budget
-            and r["method"] in args.methods and r["workers"] in args.workers and r["seed"] in args.seeds]
+            and r["method"] in args.methods and r["workers"] in args.workers and r["seed"] in args.seeds
+            and {"lr": r["lr"], "weight_decay": r["weight_decay"]} == hparams_for(config, task, r["method"])]
     if not runs:
         print("dlion experiment: no finished runs to summarise", file=sys.stderr)
         return 1

@@ -65,9 +65,9 @@ FAMILY = {"glion": "lion", "dlion_avg": "lion", "dlion_mavo": "lion", "lioncub_q
 # Short per-family grids (lr × weight decay) searched by --tune at one N. To fit the
 # compute budget only the lr is searched; the weight decay is fixed per family.
 GRIDS = {
-    "mnist1d": {"lion": {"lr": [1e-3, 3e-3, 1e-2], "weight_decay": [0.1]},
-                "adamw": {"lr": [3e-3, 1e-2, 3e-2], "weight_decay": [0.01]},
-                "sgdm": {"lr": [0.03, 0.1, 0.3], "weight_decay": [0.0]}},
+    "mnist1d": {"lion": {"lr": [1e-3, 3e-3, 1e-2, 3e-2], "weight_decay": [0.1]},
+                "adamw": {"lr": [3e-3, 1e-2, 3e-2, 1e-1], "weight_decay": [0.01]},
+                "sgdm": {"lr": [0.03, 0.1, 0.3, 1.0], "weight_decay": [0.0]}},
     "digits": {"lion": {"lr": [1e-3, 3e-3, 1e-2], "weight_decay": [0.0, 0.5]},
                "adamw": {"lr": [3e-3, 1e-2, 3e-2], "weight_decay": [0.0, 0.05]},
                "sgdm": {"lr": [0.03, 0.1, 0.3], "weight_decay": [0.0, 5e-4]}},
