@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  torch.optim imports it lazily (~3 s); once here, not in every forked worker
 from torch import nn
 
 import dlion
@@ -121,6 +122,8 @@ def test_file_layout_and_metadata(tmp_path):
                                        "world_size": 1}
     assert len(obj["optimizer"]) == 1 and len(obj["rng"]) == 1
     assert os.listdir(tmp_path) == ["c.pt"]  # no temporary files left behind
+    umask = os.umask(0); os.umask(umask)
+    assert os.stat(tmp_path / "c.pt").st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's 0600
 
 
 # ---------------------------------------------------------------------------

@@ -155,6 +155,7 @@ def _write_atomic(path: str, payload: dict) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
     try:
+        os.fchmod(fd, _file_mode(path))  # mkstemp makes 0600 files; use what open() would have made
         with os.fdopen(fd, "wb") as f:
             f.write(MAGIC)
             w = _HashingWriter(f)
@@ -177,6 +178,15 @@ def _write_atomic(path: str, payload: dict) -> None:
             os.close(dfd)
     except OSError:
         pass
+
+
+def _file_mode(path: str) -> int:
+    try:
+        return os.stat(path).st_mode & 0o777  # replacing a checkpoint keeps its permissions
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 def _check_save_path(path: str) -> str:
