@@ -45,6 +45,11 @@ def test_sweep_resume_and_figures(tmp_path):
     by = {(r["method"], r["workers"]): r for r in summary}
     assert by[("glion", 2)]["bits"] == 64.0
     assert 0 < by[("dlion_mavo", 4)]["bits"] < 8
+    # shards of a sweep run in parallel are merged by key, once
+    merged = str(tmp_path / "merged")
+    for _ in range(2):
+        assert main(TINY + ["--out", merged, "--plot-only", "--merge", out]) == 0
+        assert len(load_runs(os.path.join(merged, "runs.jsonl"))) == 12
 
 
 def test_tune_writes_config_and_sweep_reads_it(tmp_path):

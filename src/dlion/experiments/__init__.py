@@ -7,8 +7,10 @@ Examples::
     # 2. the sweep, reading the tuned config; --resume skips finished runs
     dlion experiment --task mnist1d --workers 4,8,16,32 --seeds 0,1,2 --steps 120 \\
         --config docs/results/mnist1d/tuned.json --out docs/results/mnist1d --fig-dir docs/figures --resume
-    # 3. redraw figures and tables from the results file
-    dlion experiment --task mnist1d --plot-only --out docs/results/mnist1d --fig-dir docs/figures
+    # 3. redraw figures and tables from the results file (--merge: add the runs of
+    #    shards of the same sweep run as separate processes, e.g. one per N)
+    dlion experiment --task mnist1d --plot-only --config docs/results/mnist1d/tuned.json \\
+        --out docs/results/mnist1d --fig-dir docs/figures [--merge DIR ...]
 
 Outputs in ``--out``: ``runs.jsonl`` (one line per finished run, written at
 once: the resume log), ``tune_runs.jsonl`` and ``tuned.json`` (tuning),
@@ -67,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tune", action="store_true",
                    help="grid-search lr/wd per method at the first --workers value and first seed; write tuned.json")
     p.add_argument("--plot-only", action="store_true", help="only rebuild summary and figures from runs.jsonl")
+    p.add_argument("--merge", nargs="+", default=[], metavar="DIR",
+                   help="first append the runs of these result directories (shards of one sweep run in "
+                        "parallel, e.g. one per N) to --out's runs.jsonl, skipping keys already there")
     p.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs (testing)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -105,6 +110,17 @@ def main(argv: list[str] | None = None) -> int:
         if config.get("task", task) != task:
             print(f"dlion experiment: config is for task {config.get('task')!r}, not {task!r}", file=sys.stderr)
             return 2
+    if args.merge:
+        have = {r["key"] for r in load_runs(runs_path)}
+        added = 0
+        with open(runs_path, "a") as f:
+            for d in args.merge:
+                for r in load_runs(os.path.join(d, "runs.jsonl")):
+                    if r["key"] not in have:
+                        f.write(json.dumps(r) + "\n")
+                        have.add(r["key"])
+                        added += 1
+        print(f"merged {added} runs into {runs_path}")
     if not args.plot_only:
         if load_runs(runs_path) and not args.resume:
             print(f"dlion experiment: {runs_path} already holds runs; pass --resume to continue that sweep "

@@ -111,6 +111,7 @@ def figures(runs: list[dict], fig_dir: str) -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     os.makedirs(fig_dir, exist_ok=True)
     task = runs[0]["task"]
@@ -185,6 +186,10 @@ def figures(runs: list[dict], fig_dir: str) -> list[str]:
             ax.errorbar([r["bits"]], [y], yerr=[scale * r["std"]], color=COLORS[m], marker=MARKERS[m],
                         ms=9 if m == "dlion_mavo" else 7, capsize=3, ls="none", label=LABELS[m])
         ax.set_xscale("log")
+        ax.set_xlim(1, 100)
+        ax.set_xticks([1, 2, 4, 8, 16, 32, 64])
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("bits per parameter per iteration (up + down)")
         ax.set_title(f"N = {n}")
         ax.grid(alpha=0.3, which="both")
