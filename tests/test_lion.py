@@ -202,3 +202,19 @@ def test_sparse_gradient_rejected_before_anything_changes():
         opt.step()
     assert torch.equal(a.detach(), torch.ones(3))
     assert opt.state[a] == {}
+
+
+def test_load_state_dict_keeps_fp32_momentum_of_bf16_params():
+    p = torch.randn(8).to(torch.bfloat16).requires_grad_()
+    opt = dlion.Lion([p], lr=0.01)
+    p.grad = torch.randn(8).to(torch.bfloat16)
+    opt.step()
+    m = opt.state[p]["exp_avg"].clone()
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    q = p.detach().clone().requires_grad_()
+    other = dlion.Lion([q], lr=0.01)
+    other.load_state_dict(torch.load(buf, weights_only=True))
+    assert other.state[q]["exp_avg"].dtype == torch.float32
+    assert torch.equal(other.state[q]["exp_avg"], m)

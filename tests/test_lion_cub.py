@@ -259,3 +259,22 @@ def test_add_param_group_after_construction_is_refused():
     opt = dlion.DistributedLion([torch.zeros(3, requires_grad=True)])
     with pytest.raises(RuntimeError, match="pass every parameter group to the constructor"):
         opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)]})
+
+
+def bad_hook_worker(rank, world):
+    params = [torch.zeros(40, requires_grad=True)]
+    hook = (lambda step, d: d[:3]) if rank == 0 else None
+    opt = dlion.DistributedLion(params, lr=1.0, sign_hook=hook)
+    params[0].grad = torch.ones(40)
+    try:
+        opt.step()
+    except (ValueError, RuntimeError) as e:
+        return str(e), params[0].detach().clone()
+    return None, None
+
+
+def test_bad_sign_hook_output_stops_every_rank_without_hanging():
+    (e0, p0), (e1, p1) = spawn(bad_hook_worker, 2, timeout_s=20)
+    assert "sign_hook must return an int8 tensor of shape (40,), got torch.int8 tensor of shape (3,)" in e0
+    assert "another rank rejected its gradients" in e1
+    assert torch.equal(p0, torch.zeros(40)) and torch.equal(p1, torch.zeros(40))

@@ -282,7 +282,12 @@ class DistributedLion(Lion):
                     torch.sub((cf > 0).view(torch.int8), (cf < 0).view(torch.int8), out=view)
                 flags[j] = 1
         if self.sign_hook is not None:
-            b.buffer[:b.numel] = self.sign_hook(self.comm_stats.steps, b.buffer[:b.numel].clone())
+            try:
+                b.buffer[:b.numel] = _checked_hook_output(
+                    self.sign_hook(self.comm_stats.steps, b.buffer[:b.numel].clone()), b.numel)
+            except ValueError as e:  # like a bad gradient: every rank stops together
+                flags[2 * k] = 1
+                return flags, e
         if self.aggregate == "sign":
             for j in range(k):
                 off, n = b.offsets[j], self._params[b.params[j]].numel()
@@ -537,6 +542,15 @@ def _check_options(comm, aggregate, vote, quant_norm, quant_bits, momentum_sync,
         raise ValueError(f"check_every must be an int >= 0, got {check_every!r}")
     if nonfinite not in NONFINITE:
         raise ValueError(f"Unknown nonfinite {nonfinite!r}; choose one of {', '.join(map(repr, NONFINITE))}.")
+
+
+def _checked_hook_output(out, n: int) -> Tensor:
+    if not isinstance(out, Tensor) or out.dtype != torch.int8 or out.shape != (n,):
+        got = f"{out.dtype} tensor of shape {tuple(out.shape)}" if isinstance(out, Tensor) else type(out).__name__
+        raise ValueError(f"sign_hook must return an int8 tensor of shape ({n},), got {got}.")
+    if bool((out.abs() > 1).any()):
+        raise ValueError("sign_hook returned values outside {-1, 0, 1}.")
+    return out
 
 
 def _by_device_dtype(tensors: list[Tensor]) -> list[list[Tensor]]:

@@ -143,6 +143,19 @@ class Lion(torch.optim.Optimizer):
         check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
         check_params([p for grp in self.param_groups for p in grp["params"]])
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        # torch.optim casts loaded state to each parameter's dtype; Lion keeps the
+        # momentum of bf16/fp16 parameters in fp32, so put the saved fp32 values back.
+        saved = {}
+        for group, saved_group in zip(self.param_groups, state_dict.get("param_groups", [])):
+            for p, pid in zip(group["params"], saved_group["params"]):
+                m = state_dict.get("state", {}).get(pid, {}).get("exp_avg")
+                if p.dtype in _LOW_PRECISION and isinstance(m, Tensor):
+                    saved[p] = m
+        super().load_state_dict(state_dict)
+        for p, m in saved.items():
+            self.state[p]["exp_avg"] = m.to(dtype=torch.float32, device=p.device)
+
     def _collect(self, group: dict):
         """Parameters with gradients, their gradients (negated if maximize) and momenta."""
         ps, gs, ms = [], [], []

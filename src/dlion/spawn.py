@@ -45,6 +45,10 @@ def spawn(fn: Callable[..., Any], world_size: int, *args, timeout_s: float = 120
     (CPU-only test and demo processes are fine)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    # torch.optim imports torch._dynamo lazily (seconds); import it once here so
+    # forked workers inherit it instead of each paying for it.
+    import torch._dynamo  # noqa: F401
+
     with tempfile.TemporaryDirectory(prefix="dlion-spawn-") as tmp:
         store_path = os.path.join(tmp, "store")
         ctx = mp.get_context(start_method)
