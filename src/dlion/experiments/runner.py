@@ -68,12 +68,12 @@ GRIDS = {
     "mnist1d": {"lion": {"lr": [1e-3, 3e-3, 1e-2, 3e-2], "weight_decay": [0.1]},
                 "adamw": {"lr": [3e-3, 1e-2, 3e-2, 1e-1], "weight_decay": [0.01]},
                 "sgdm": {"lr": [0.03, 0.1, 0.3, 1.0], "weight_decay": [0.0]}},
-    "digits": {"lion": {"lr": [1e-3, 3e-3, 1e-2], "weight_decay": [0.0, 0.5]},
-               "adamw": {"lr": [3e-3, 1e-2, 3e-2], "weight_decay": [0.0, 0.05]},
-               "sgdm": {"lr": [0.03, 0.1, 0.3], "weight_decay": [0.0, 5e-4]}},
-    "shakespeare": {"lion": {"lr": [3e-3, 1e-2, 3e-2], "weight_decay": [0.1]},
+    "digits": {"lion": {"lr": [1e-3, 3e-3, 1e-2, 3e-2], "weight_decay": [0.1]},
+               "adamw": {"lr": [3e-3, 1e-2, 3e-2, 1e-1], "weight_decay": [0.01]},
+               "sgdm": {"lr": [0.03, 0.1, 0.3, 1.0], "weight_decay": [0.0]}},
+    "shakespeare": {"lion": {"lr": [1e-3, 3e-3, 1e-2, 3e-2], "weight_decay": [0.1]},
                     "adamw": {"lr": [1e-2, 3e-2, 1e-1], "weight_decay": [0.1]},
-                    "sgdm": {"lr": [0.1, 0.3, 1.0], "weight_decay": [0.0]}},
+                    "sgdm": {"lr": [0.01, 0.03, 0.1, 0.3, 1.0], "weight_decay": [0.0]}},
 }
 # Used when no tuned config is given: the middle of each grid.
 DEFAULTS = {task: {fam: {"lr": g["lr"][len(g["lr"]) // 2], "weight_decay": g["weight_decay"][0]}
