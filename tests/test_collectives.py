@@ -7,7 +7,7 @@ import torch
 
 from dlion.aggregation import VoteRule, coin_key, tie_coins
 from dlion.codec import ALIGN
-from dlion.collectives import ALGORITHMS, CommStats, choose_algorithm, estimated_bytes, field_width
+from dlion.collectives import ALGORITHMS, CommStats, choose_algorithm, estimated_bytes, field_width, zero_runs
 from dlion.spawn import spawn
 
 RULES = [("mavo", "zero"), ("mavo", "random"), ("avg", "zero")]
@@ -22,16 +22,28 @@ def local_delta(rank, world, zeros, n):
     return d
 
 
+def run_table(world, n):
+    """Every rank's zero runs, padded with empty runs, as the ranks would agree on them."""
+    runs = [zero_runs(local_delta(r, world, True, n), n) for r in range(world)]
+    table = torch.zeros(world, max(r.shape[0] for r in runs), 2, dtype=torch.int32)
+    for r, t in enumerate(runs):
+        table[r, :t.shape[0]] = t
+    return table
+
+
 def codes_worker(rank, world, n):
     out = {}
     for vote, ties in RULES:
         rule = VoteRule(vote, world, ties=ties, seed=1)
-        for zeros in (False, True):
-            delta = local_delta(rank, world, zeros, n)
+        for zeros in (False, True, "runs"):
+            delta = local_delta(rank, world, zeros is not False, n)
+            if zeros == "runs":
+                zeros = run_table(world, n)
             for name, algorithm in ALGORITHMS.items():
                 stats = CommStats()
                 codes = algorithm(delta, zeros, rule, stats=stats, key=coin_key(1, 0, 0))
-                out[(vote, ties, zeros, name)] = (codes.to(torch.int32), stats.bytes_sent, stats.bytes_received)
+                label = "runs" if isinstance(zeros, torch.Tensor) else zeros
+                out[(vote, ties, label, name)] = (codes.to(torch.int32), stats.bytes_sent, stats.bytes_received)
     return out
 
 
@@ -52,7 +64,7 @@ def test_all_algorithms_agree_with_the_literal_vote(world):
     n = ALIGN * world * 3
     results = spawn(codes_worker, world, n)
     for (vote, ties, zeros, name), (codes, sent, received) in results[0].items():
-        want = literal(world, vote, ties, zeros, n)
+        want = literal(world, vote, ties, zeros is not False, n)
         assert torch.equal(codes, want), (world, vote, ties, zeros, name)
         for r in range(1, world):
             assert torch.equal(results[r][(vote, ties, zeros, name)][0], codes)
@@ -80,3 +92,16 @@ def test_auto_rule():
         assert b / 10**6 == pytest.approx((1 + mavo(world).result_bits()) * (world - 1) / world, rel=1e-9)
     assert estimated_bytes("allgather", 8 * 10**6, 5, mavo(5)) == 4 * 10**6
     assert math.isclose(estimated_bytes("pbit", 8 * 10**6, 5, mavo(5)), 2 * 4 * 4 / 5 * 10**6)
+
+
+def test_zero_runs_and_masks():
+    from dlion.collectives import abstention_format, runs_mask
+    d = torch.tensor([1, 0, 0, -1, 0, 1, 1, 0], dtype=torch.int8)
+    runs = zero_runs(d, 8)
+    assert runs.tolist() == [[1, 3], [4, 5], [7, 8]]
+    assert runs_mask(runs, 0, 8).tolist() == [False, True, True, False, True, False, False, True]
+    assert runs_mask(runs, 2, 6).tolist() == [True, False, True, False]
+    assert zero_runs(torch.ones(8, dtype=torch.int8), 8).shape == (0, 2)
+    assert abstention_format([0, 0], 4000, 2) == "none"
+    assert abstention_format([3, 1], 40000, 2) == "runs"          # 24 B of runs < 1000 B of ternary overhead
+    assert abstention_format([3000, 1], 40000, 2) == "ternary"

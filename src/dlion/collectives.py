@@ -1,14 +1,21 @@
 """Collective algorithms that turn every rank's local signs into the same codes.
 
 Input on every rank: δ ∈ {−1, 0, +1} (int8), a flat buffer of ``n`` coordinates
-with n a multiple of ``ALIGN·N``, and ``zeros``: whether any rank abstains
-(has a 0) anywhere in this buffer this step — agreed on beforehand, so all
-ranks pick the same wire format. Output on every rank: the same integer codes
-of :class:`~dlion.aggregation.VoteRule` for all n coordinates.
+with n a multiple of ``ALIGN·N``, and ``zeros``, agreed on beforehand so that
+all ranks pick the same wire format:
 
-The way up is 1 bit per coordinate (:class:`~dlion.codec.SignCodec`) when
-``zeros`` is false and 1.6 bits (:class:`~dlion.codec.TritCodec`) when true;
-the way back has b = ``rule.result_bits(zeros)`` bits per coordinate.
+* ``False`` — no rank abstains (has a 0) anywhere in the buffer: signs travel
+  as 1 bit (:class:`~dlion.codec.SignCodec`);
+* a tensor of every rank's *zero runs* (N × R × 2 int32, [start, end) pairs,
+  padded with empty runs; see :func:`zero_runs`) — abstentions are few and
+  clustered (dead units, unused rows): signs still travel as 1 bit and every
+  rank knows exactly where each rank abstained;
+* ``True`` — abstentions are too scattered for run tables: signs travel as
+  base-3 digits (1.6 bits, :class:`~dlion.codec.TritCodec`).
+
+Output on every rank: the same integer codes of
+:class:`~dlion.aggregation.VoteRule` for all n coordinates; the way back has
+b = ``down_codec(rule, zeros).bits`` bits per coordinate.
 
 Bytes are counted per rank as the data a bandwidth-optimal implementation of
 each collective moves over this rank's links (what `comm_stats` reports):
@@ -72,14 +79,68 @@ class CommStats:
         self.by_kind = {k: list(v) for k, v in d.get("by_kind", {}).items()}
 
 
-def upload_codec(zeros: bool):
-    return TritCodec() if zeros else SignCodec()
+def upload_codec(zeros) -> "SignCodec | TritCodec":
+    return TritCodec() if zeros is True else SignCodec()
 
 
-def reduce_counts(payloads: Tensor, codec, ranks: int, n: int) -> tuple[Tensor, Tensor]:
-    """(s, nz) over ``ranks`` encoded vectors of ``n`` coordinates laid end to end."""
+def down_codec(rule: VoteRule, zeros):
+    """(codec for the codes on the way back, whether receivers restore the unanimous
+    abstentions themselves). With run tables every rank knows where all ranks
+    abstained, so a code that can only be 0 there need not travel as a 0."""
+    if zeros is False:
+        return rule.result_codec(False), False
+    if isinstance(zeros, Tensor) and rule.vote == "mavo" and rule.ties == "random":
+        return SignCodec(), True  # with random ties a 0 only arises where everyone abstained
+    return rule.result_codec(True), False
+
+
+def zero_runs(delta: Tensor, n: int) -> Tensor:
+    """[start, end) pairs (int32, R × 2) of the maximal runs of δ == 0 in δ[:n]."""
+    z = (delta[:n] == 0).to(torch.int8)
+    edge = torch.diff(z, prepend=z.new_zeros(1), append=z.new_zeros(1))
+    starts = (edge == 1).nonzero().view(-1)
+    ends = (edge == -1).nonzero().view(-1)
+    return torch.stack([starts, ends], dim=1).to(torch.int32)
+
+
+def runs_mask(runs: Tensor, lo: int, hi: int) -> Tensor:
+    """Bool mask of the coordinates lo … hi−1 covered by ``runs`` (empty runs ignored)."""
+    start = runs[:, 0].long().clamp(lo, hi) - lo
+    end = runs[:, 1].long().clamp(lo, hi) - lo
+    keep = end > start
+    edge = torch.zeros(hi - lo + 1, dtype=torch.int32, device=runs.device)
+    one = torch.ones(int(keep.sum()), dtype=torch.int32, device=runs.device)
+    edge.index_add_(0, start[keep], one)
+    edge.index_add_(0, end[keep], -one)
+    return edge.cumsum(0)[:-1] > 0
+
+
+#: Abstentions travel as run tables while these (all-gathered, int32 pairs) cost
+#: less than the ternary format's extra 0.6 bit per coordinate on the way up.
+def abstention_format(run_counts: list[int], n: int, world: int):
+    """"none", "runs" or "ternary", from every rank's number of zero runs (identical on all ranks)."""
+    most = max(run_counts)
+    if most == 0:
+        return "none"
+    runs_bytes = 8 * most * (world - 1)
+    ternary_extra = (TritCodec().nbytes(n) - SignCodec().nbytes(n)) * (world - 1) / world
+    return "runs" if runs_bytes < ternary_extra else "ternary"
+
+
+def reduce_counts(payloads: Tensor, codec, ranks: int, n: int, runs: Tensor | None = None,
+                  lo: int = 0) -> tuple[Tensor, Tensor]:
+    """(s, nz) over ``ranks`` encoded vectors of ``n`` coordinates laid end to end;
+    with ``runs``, rank r's coordinates lo … lo+n−1 inside its runs abstain."""
     if isinstance(codec, SignCodec):
         bits = codec.decode_bits(payloads, ranks * n).view(ranks, n)
+        if runs is not None:
+            plus = torch.zeros(n, dtype=torch.int16, device=bits.device)
+            nz = torch.zeros(n, dtype=torch.int16, device=bits.device)
+            for r in range(ranks):
+                voting = ~runs_mask(runs[r], lo, lo + n)
+                plus += bits[r] & voting
+                nz += voting
+            return plus.mul_(2).sub_(nz), nz
         plus = bits[0].to(torch.int16)
         for r in range(1, ranks):
             plus += bits[r]
@@ -102,19 +163,27 @@ def _world(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def onebit(delta: Tensor, zeros: bool, rule: VoteRule, *, group=None, stats: CommStats, key: int) -> Tensor:
+def _restore_unanimous(codes: Tensor, runs: Tensor) -> Tensor:
+    everyone = runs_mask(runs[0], 0, codes.numel())
+    for r in range(1, runs.shape[0]):
+        everyone &= runs_mask(runs[r], 0, codes.numel())
+    return codes.masked_fill_(everyone, 0)
+
+
+def onebit(delta: Tensor, zeros, rule: VoteRule, *, group=None, stats: CommStats, key: int) -> Tensor:
     """Reduce-scatter pattern (Lion Cub's 1-bit all-reduce, without scales).
 
-    1. encode δ (1 bit, or 1.6 if ``zeros``) and split it into N equal chunks;
+    1. encode δ (1 bit, or 1.6 with ternary abstentions) and split it into N equal chunks;
     2. ``all_to_all_single``: rank r receives chunk r of every rank;
     3. rank r counts (s, nz) on its chunk and applies the rule: codes of chunk r;
     4. encode the codes (b bits) and ``all_gather`` them: every rank has all codes.
 
-    Bytes per rank, each way: n·(u + b)/8·(N−1)/N, u = 1 (1.6 with zeros).
+    Bytes per rank, each way: n·(u + b)/8·(N−1)/N, u = 1 (1.6 with ternary abstentions).
     """
     world, rank = _world(group)
     n = delta.numel()
     chunk = n // world
+    runs = zeros if isinstance(zeros, Tensor) else None
     up = upload_codec(zeros)
     payload = up.encode(delta)
     received = torch.empty_like(payload)
@@ -122,17 +191,18 @@ def onebit(delta: Tensor, zeros: bool, rule: VoteRule, *, group=None, stats: Com
     moved = payload.numel() * (world - 1) / world
     stats.add("all_to_all", moved, moved)
 
-    s, nz = reduce_counts(received, up, world, chunk)
+    s, nz = reduce_counts(received, up, world, chunk, runs, lo=rank * chunk)
     codes = rule.decide(s, nz, key=key, start=rank * chunk)
-    down = rule.result_codec(zeros)
+    down, restore = down_codec(rule, zeros)
     mine = down.encode(codes)
     gathered = torch.empty(mine.numel() * world, dtype=mine.dtype, device=mine.device)
     _all_gather(gathered, mine, group=group)
     stats.add("all_gather", mine.numel() * (world - 1), mine.numel() * (world - 1))
-    return down.decode(gathered, n)
+    codes = down.decode(gathered, n)
+    return _restore_unanimous(codes, runs) if restore else codes
 
 
-def allgather(delta: Tensor, zeros: bool, rule: VoteRule, *, group=None, stats: CommStats, key: int) -> Tensor:
+def allgather(delta: Tensor, zeros, rule: VoteRule, *, group=None, stats: CommStats, key: int) -> Tensor:
     """The naive reference: all-gather every rank's encoded δ, count everything locally.
 
     Bytes per rank: sends n·u/8·(N−1), receives as much — grows with N.
@@ -144,7 +214,7 @@ def allgather(delta: Tensor, zeros: bool, rule: VoteRule, *, group=None, stats: 
     gathered = torch.empty(payload.numel() * world, dtype=payload.dtype, device=payload.device)
     _all_gather(gathered, payload, group=group)
     stats.add("all_gather", payload.numel() * (world - 1), payload.numel() * (world - 1))
-    s, nz = reduce_counts(gathered, up, world, n)
+    s, nz = reduce_counts(gathered, up, world, n, zeros if isinstance(zeros, Tensor) else None)
     return rule.decide(s, nz, key=key, start=0)
 
 
@@ -213,7 +283,7 @@ def pbit(delta: Tensor, zeros: bool, rule: VoteRule, *, group=None, stats: CommS
     Bytes per rank each way: 2·w·(N−1)/N · n/8.
     """
     world, _ = _world(group)
-    if not zeros:
+    if zeros is False:  # (the counter encoding below is exact for any abstentions: no run tables needed)
         plus = field_sum((delta > 0).view(torch.uint8), world, group=group, stats=stats)
         s = plus.to(torch.int16).mul_(2).sub_(world)
         nz = torch.full_like(s, world)
@@ -263,13 +333,15 @@ def choose_algorithm(n: int, world: int, rule: VoteRule) -> str:
 
 # -- all N ranks in one process (simulation) -----------------------------------------
 
-def simulated(deltas: list[Tensor], zeros: bool, rule: VoteRule, *, key: int) -> Tensor:
+def simulated(deltas: list[Tensor], zeros, rule: VoteRule, *, key: int) -> Tensor:
     """The codes the collectives would produce for these N ranks' δ, computed in one
     process with the same encode → count → decide → result encode/decode path
     (the transport replaced by concatenation)."""
     world, n = len(deltas), deltas[0].numel()
+    runs = zeros if isinstance(zeros, Tensor) else None
     up = upload_codec(zeros)
-    s, nz = reduce_counts(torch.cat([up.encode(d) for d in deltas]), up, world, n)
+    s, nz = reduce_counts(torch.cat([up.encode(d) for d in deltas]), up, world, n, runs)
     codes = rule.decide(s, nz, key=key, start=0)
-    down = rule.result_codec(zeros)
-    return down.decode(down.encode(codes), n)
+    down, restore = down_codec(rule, zeros)
+    codes = down.decode(down.encode(codes), n)
+    return _restore_unanimous(codes, runs) if restore else codes

@@ -45,7 +45,8 @@ from torch import Tensor
 
 from .aggregation import VoteRule, coin_key
 from .codec import ALIGN
-from .collectives import ALGORITHMS, CommStats, _all_gather, choose_algorithm, quantized_sum
+from .collectives import (ALGORITHMS, CommStats, _all_gather, abstention_format, choose_algorithm, quantized_sum,
+                          zero_runs)
 from .lion import Lion, _LOW_PRECISION, _use_foreach, apply_update, check_grad, lion_momentum_update, lion_presign
 from .quantize import NORMS, levels, quantize
 
@@ -248,9 +249,10 @@ class DistributedLion(Lion):
     # -- step 1: local math into a bucket's buffer -----------------------------
     def _local(self, b: Bucket) -> tuple[Tensor, Optional[Exception]]:
         """Fill ``b.buffer`` with this rank's δ (or q) and return the bucket's flags:
-        [has_grad per param | abstains per param | bad gradient | non-finite]."""
+        [has_grad per param | bad gradient | non-finite | zero runs of rank 0 … N−1]
+        (each rank fills its own run-count slot; the all-reduce sums them)."""
         k = len(b.params)
-        flags = torch.zeros(2 * k + 2, dtype=torch.int32)  # filled on the CPU, sent from the bucket's device
+        flags = torch.zeros(k + 2 + self.world_size, dtype=torch.int32)  # filled on the CPU
         b.buffer.zero_()
         error = None
         by_group: dict = {}
@@ -264,7 +266,7 @@ class DistributedLion(Lion):
             if p.grad is not None:
                 by_group.setdefault(id(self._group_of[id(p)]), []).append(j)
         if error is not None:
-            flags[2 * k] = 1
+            flags[k] = 1
             return flags, error
         for js in by_group.values():
             group = self._group_of[id(self._params[b.params[js[0]]])]
@@ -274,7 +276,7 @@ class DistributedLion(Lion):
             for j, c in zip(js, cs):
                 view = b.buffer[b.offsets[j]:b.offsets[j] + c.numel()]
                 if not bool(torch.isfinite(c).all()):
-                    flags[2 * k + 1] = 1
+                    flags[k + 1] = 1
                 if self.aggregate == "quantized":
                     view.copy_(quantize(c, self.quant_levels, self.quant_norm).reshape(-1))
                 else:  # sign(c) as int8 without a float temporary: [c > 0] − [c < 0]
@@ -286,12 +288,11 @@ class DistributedLion(Lion):
                 b.buffer[:b.numel] = _checked_hook_output(
                     self.sign_hook(self.comm_stats.steps, b.buffer[:b.numel].clone()), b.numel)
             except ValueError as e:  # like a bad gradient: every rank stops together
-                flags[2 * k] = 1
+                flags[k] = 1
                 return flags, e
         if self.aggregate == "sign":
-            for j in range(k):
-                off, n = b.offsets[j], self._params[b.params[j]].numel()
-                flags[k + j] = int(flags[j] == 1 and not bool(b.buffer[off:off + n].all()))
+            b.runs = zero_runs(b.buffer, b.numel) if not bool(b.buffer[:b.numel].all()) else None
+            flags[k + 2 + self.rank] = 0 if b.runs is None else b.runs.shape[0]
         return flags, None
 
     # -- steps 2 and 3: agree on flags, run the collective ---------------------
@@ -301,8 +302,8 @@ class DistributedLion(Lion):
         flags = flags.cpu()
         k = len(b.params)
         b.has_grad = flags[:k].tolist()
-        b.failed = int(flags[2 * k])
-        b.nonfinite = int(flags[2 * k + 1])
+        b.failed = int(flags[k])
+        b.nonfinite = int(flags[k + 1])
         b.codes = None
         if b.failed or b.nonfinite or not any(b.has_grad):
             return
@@ -310,9 +311,25 @@ class DistributedLion(Lion):
             total = quantized_sum(b.buffer, self.quant_levels, group=self.process_group, stats=self.comm_stats)
             b.codes = torch.sign(total).to(torch.int8)
             return
-        zeros = any(h > 0 and (z > 0 or h < self.world_size) for h, z in zip(b.has_grad, flags[k:2 * k].tolist()))
+        zeros = self._agree_on_abstentions(b, flags[k + 2:].tolist())
         b.codes = ALGORITHMS[b.algorithm](b.buffer, zeros, self.rule, group=self.process_group,
                                           stats=self.comm_stats, key=coin_key(self.seed, step, b.index))
+
+    def _agree_on_abstentions(self, b: Bucket, run_counts: list[int]):
+        """The ``zeros`` argument of the collective: False, every rank's zero-run table
+        (one small all-gather), or True (ternary), by :func:`abstention_format`."""
+        fmt = abstention_format(run_counts, b.padded, self.world_size)
+        if fmt != "runs":
+            return fmt == "ternary"
+        most = max(run_counts)
+        mine = torch.zeros(most, 2, dtype=torch.int32, device=b.device)  # padded with empty runs
+        if b.runs is not None:
+            mine[:b.runs.shape[0]] = b.runs.to(b.device)
+        everyone = torch.empty(self.world_size * most * 2, dtype=torch.int32, device=b.device)
+        _all_gather(everyone, mine.view(-1), group=self.process_group)
+        moved = mine.numel() * 4 * (self.world_size - 1)
+        self.comm_stats.add("zero_runs", moved, moved)
+        return everyone.view(self.world_size, most, 2)
 
     def _all_reduce(self, t: Tensor, kind: str) -> None:
         dist.all_reduce(t, group=self.process_group)

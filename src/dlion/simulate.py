@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 
 from .aggregation import VoteRule, coin_key
-from .codec import SignCodec, TritCodec
-from .collectives import CommStats, choose_algorithm, field_width, simulated
+from .collectives import (CommStats, abstention_format, choose_algorithm, down_codec, field_width, simulated,
+                          upload_codec, zero_runs)
 from .distributed import _check_options, layout_buckets, momentum_sync_due
 from .lion import _LOW_PRECISION, apply_update, check_hyperparameters, check_params, lion_momentum_update, lion_presign
 from .quantize import levels, quantize
@@ -106,10 +106,7 @@ class SimulatedDistributedLion:
                 codes = torch.sign(total).to(torch.int8)
                 self._count_field_sum(b.padded, 2 * self.quant_levels * N)
             else:
-                # Does any worker abstain (no gradient, or a 0 sign) anywhere in this bucket?
-                zeros = any(grads[i][k] is None
-                            or not bool(buffers[i][b.index][b.offsets[j]:b.offsets[j] + self.params[k].numel()].all())
-                            for j, k in active for i in range(N))
+                zeros = self._abstentions([buffers[i][b.index] for i in range(N)], b)
                 codes = simulated([buffers[i][b.index] for i in range(N)], zeros, self.rule,
                                   key=coin_key(self.seed, step, b.index))
                 self._count_algorithm(b, zeros)
@@ -147,22 +144,37 @@ class SimulatedDistributedLion:
         raise KeyError(k)
 
     def _count_flags(self, b) -> None:
-        n = (2 * len(b.params) + 2) * 4 * 2 * (self.world_size - 1) / self.world_size
+        n = (len(b.params) + 2 + self.world_size) * 4 * 2 * (self.world_size - 1) / self.world_size
         self.comm_stats.add("flags", n, n)
+
+    def _abstentions(self, deltas: list[Tensor], b):
+        """The ``zeros`` argument the ranks would agree on (see DistributedLion)."""
+        runs = [zero_runs(d, b.numel) if not bool(d[:b.numel].all()) else None for d in deltas]
+        counts = [0 if r is None else r.shape[0] for r in runs]
+        fmt = abstention_format(counts, b.padded, self.world_size)
+        if fmt != "runs":
+            return fmt == "ternary"
+        table = torch.zeros(self.world_size, max(counts), 2, dtype=torch.int32)
+        for i, r in enumerate(runs):
+            if r is not None:
+                table[i, :r.shape[0]] = r
+        moved = max(counts) * 8 * (self.world_size - 1)
+        self.comm_stats.add("zero_runs", moved, moved)
+        return table
 
     def _count_field_sum(self, n: int, max_sum: int) -> None:
         w = field_width(max_sum)
         moved = n * (32 if w == 16 else w) / 8 * 2 * (self.world_size - 1) / self.world_size
         self.comm_stats.add("all_reduce", moved, moved)
 
-    def _count_algorithm(self, b, zeros: bool) -> None:
+    def _count_algorithm(self, b, zeros) -> None:
         N, n = self.world_size, b.padded
-        up = (TritCodec() if zeros else SignCodec()).nbytes(n)
+        up = upload_codec(zeros).nbytes(n)
         if b.algorithm == "1bit":
             self.comm_stats.add("all_to_all", up * (N - 1) / N, up * (N - 1) / N)
-            down = self.rule.result_codec(zeros).nbytes(n // N)
+            down = down_codec(self.rule, zeros)[0].nbytes(n // N)
             self.comm_stats.add("all_gather", down * (N - 1), down * (N - 1))
         elif b.algorithm == "allgather":
             self.comm_stats.add("all_gather", up * (N - 1), up * (N - 1))
         else:  # pbit
-            self._count_field_sum(n, N * (N + 1) if zeros else N)
+            self._count_field_sum(n, N * (N + 1) if zeros is not False else N)
