@@ -1,0 +1,57 @@
+"""Smoke test of ``dlion bench e2e`` in loopback mode (no namespaces, no root needed)."""
+
+import json
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from dlion.bench import e2e  # noqa: E402
+
+
+def test_parse_methods_groups_and_errors():
+    assert e2e.parse_methods("g-lion,d-mavo-1bit") == ["g-lion", "d-mavo-1bit"]
+    assert e2e.parse_methods("all") == list(e2e.METHODS)
+    assert set(e2e.parse_methods("overlap")) == {m for m in e2e.DLION if m.endswith("-ov")}
+    assert e2e.parse_methods("baselines,g-lion") == list(e2e.BASELINES)  # no duplicates
+    with pytest.raises(ValueError):
+        e2e.parse_methods("d-mavo-2bit")
+
+
+@pytest.mark.parametrize("mode", ["interleaved", "sequential"])
+def test_e2e_loopback_smoke(tmp_path, capsys, mode):
+    methods = ["compute", "g-lion", "d-mavo-1bit-ov"]
+    rc = e2e.main(["--loopback", "--workers", "2", "--methods", ",".join(methods), "--steps", "3",
+                   "--warmup", "1", "--n-layer", "1", "--n-embd", "32", "--block-size", "16",
+                   "--synthetic", "--no-progress", "--out", str(tmp_path)]
+                  + (["--sequential"] if mode == "sequential" else []))
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "link loopback: 2 ranks" in text
+    for m in methods:
+        assert e2e.label(m) in text
+    assert "compute/communication" in text and "best D-Lion MaVo" in text
+
+    doc = json.loads((tmp_path / "e2e_results.json").read_text())
+    assert doc["workers"] == 2 and doc["mode"] == "loopback"
+    assert (tmp_path / "e2e_step_time.png").stat().st_size > 0
+    assert (tmp_path / "e2e_table.txt").read_text().strip()
+    rows = {r["method"]: r for r in doc["results"]}
+    assert set(rows) == set(methods)
+    for m, r in rows.items():
+        assert r["link"] == "loopback" and r["rate_bps"] is None
+        assert r["ms_per_step"] > 0 and r["fwd_bwd_ms"] > 0
+        assert len(r["ms_per_step_by_rank"]) == 2
+        assert r["params"] > 0
+    for r in rows.values():  # 3 measured steps × 2 ranks
+        assert r["samples"] == 6
+    # Bytes: none for compute-only; G-Lion's fp32 ring all-reduce of every gradient, 2(N-1)/N·4 bytes
+    # per parameter (N = 2); D-Lion's signs are far fewer.
+    assert rows["compute"]["bytes_sent_per_rank_per_step"] == 0
+    n = rows["g-lion"]["params"]
+    assert rows["g-lion"]["bytes_sent_per_rank_per_step"] == pytest.approx(4 * n, rel=1e-6)
+    assert 0 < rows["d-mavo-1bit-ov"]["bytes_sent_per_rank_per_step"] < rows["g-lion"]["bytes_sent_per_rank_per_step"] / 8
+    assert rows["d-mavo-1bit-ov"]["profile_ms_per_step"]
+    head = doc["headline"]["loopback"]
+    assert head["best_mavo"] == "d-mavo-1bit-ov"
+    assert set(head["criteria"]) == {"glion_at_least_10x_compute", "speedup_at_least_5x", "within_1.3x_compute"}
