@@ -1,17 +1,13 @@
 """N Distributed-Lion workers in one process, for convergence sweeps up to N = 32.
 
 Parameters are identical on every worker, so one copy is kept; each logical
-worker has its own momentum and feeds its own gradients. Each step goes through
-the same pieces as :class:`dlion.DistributedLion` — the Lion math of
-:mod:`dlion.lion`, the bucket layout, the codecs, the counting and the vote rule
-of :mod:`dlion.collectives` / :mod:`dlion.aggregation`, the quantiser of
-:mod:`dlion.quantize` — with the network replaced by concatenation, so for the
-same gradients it gives bitwise the same parameters as N real ranks
-(``tests/test_simulate.py`` checks it against Gloo).
-
-Traffic is not measured (nothing is sent) but counted from the wire formats:
-``comm_stats`` holds what each rank would send and receive with the chosen
-algorithm, including the per-step format switch when workers abstain.
+worker has its own momentum and feeds its own gradients. Each step runs the
+same code as :class:`dlion.DistributedLion` — the bucket layout and Lion math of
+:mod:`dlion.buckets`, the algorithm objects of :mod:`dlion.algorithms` (wire
+formats, votes, format switches) — with the collectives replaced by
+:func:`dlion.collectives.simulate_collective`, so for the same gradients it gives
+bitwise the same parameters as N real ranks, and ``comm_stats`` counts exactly
+the bytes one real rank moves.
 """
 
 from __future__ import annotations
@@ -22,11 +18,12 @@ import torch
 from torch import Tensor
 
 from .aggregation import VoteRule, coin_key
-from .collectives import (CommStats, abstention_format, choose_algorithm, down_codec, field_width, simulated,
-                          upload_codec, zero_runs)
-from .distributed import _check_options, layout_buckets, momentum_sync_due
-from .lion import _LOW_PRECISION, apply_update, check_hyperparameters, check_params, lion_momentum_update, lion_presign
-from .quantize import levels, quantize
+from .algorithms import Contribution, WireState, choose_algorithm, make_algorithm
+from .buckets import RankBuffers, contribute, layout_buckets, update_momentum
+from .collectives import CommStats, simulate_collective
+from .distributed import check_options, momentum_sync_due
+from .lion import apply_update, check_hyperparameters, check_params
+from .quantize import levels
 
 __all__ = ["SimulatedDistributedLion"]
 
@@ -52,129 +49,109 @@ class SimulatedDistributedLion:
         self.params = list(params)
         check_params(self.params)
         self.rule = VoteRule(vote, world_size, ties=ties, seed=seed)
-        _check_options(comm, aggregate, vote, quant_norm, quant_bits, momentum_sync, bucket_cap_mb, 0, "skip",
-                       None if sign_hooks is None else (sign_hooks if any(sign_hooks) else None))
+        check_options(comm, aggregate, vote, quant_norm, quant_bits, momentum_sync, bucket_cap_mb, 0, "skip",
+                      None if sign_hooks is None else (sign_hooks if any(sign_hooks) else None))
         if sign_hooks is not None and len(sign_hooks) != world_size:
             raise ValueError(f"sign_hooks has {len(sign_hooks)} entries for {world_size} workers")
         self.world_size, self.lr, self.betas, self.weight_decay = world_size, lr, tuple(betas), weight_decay
-        self.comm, self.aggregate, self.quant_norm = comm, aggregate, quant_norm
+        self.aggregate, self.quant_norm, self.momentum_sync, self.seed = aggregate, quant_norm, momentum_sync, seed
         self.quant_levels = levels(quant_bits, world_size) if aggregate == "quantized" else 0
-        self.momentum_sync, self.seed = momentum_sync, seed
         self.sign_hooks = list(sign_hooks) if sign_hooks is not None else [None] * world_size
-        self.buckets = layout_buckets(self.params, world_size, bucket_cap_mb)
-        for b in self.buckets:
-            b.algorithm = choose_algorithm(b.padded, world_size, self.rule) if comm == "auto" else comm
-        self.momenta = [[torch.zeros_like(p, dtype=torch.float32 if p.dtype in _LOW_PRECISION else p.dtype)
-                         for p in self.params] for _ in range(world_size)]
+        self.group = dict(lr=lr, betas=self.betas, weight_decay=weight_decay, maximize=False, foreach=False)
+        self.buckets = layout_buckets(self.params, [self.group] * len(self.params), world_size, bucket_cap_mb,
+                                      trainable_only=False)
+        if aggregate == "quantized":
+            self.algorithms = [make_algorithm("quantized", self.rule, self.quant_levels) for _ in self.buckets]
+        else:
+            self.algorithms = [make_algorithm(choose_algorithm(b.padded, len(b.params), self.rule)
+                                              if comm == "auto" else comm, self.rule) for b in self.buckets]
+        up = ["narrow" if a.name == "pbit" else "runs" for a in self.algorithms]
+        self.wire = [[WireState(up=u) for _ in range(world_size)] for u in up]  # one per bucket per worker
+        self.buffers = [[RankBuffers(b) for b in self.buckets] for _ in range(world_size)]
+        self.updates = [b.flat() for b in self.buckets]
         self.comm_stats = CommStats()
         self.num_params = sum(p.numel() for p in self.params)
+
+    @property
+    def momenta(self) -> list[list[Tensor]]:
+        """momenta[i][k]: worker i's momentum of parameter k (views into its buffers)."""
+        out = []
+        for bufs in self.buffers:
+            views = {}
+            for b, buf in zip(self.buckets, bufs):
+                views.update(zip(b.indices, buf.momentum_views))
+            out.append([views.get(k) for k in range(len(self.params))])
+        return out
 
     @torch.no_grad()
     def step(self, grads: Sequence[Sequence[Optional[Tensor]]]) -> None:
         N = self.world_size
         if len(grads) != N or any(len(g) != len(self.params) for g in grads):
             raise ValueError(f"step() needs grads[worker][param] for {N} workers × {len(self.params)} parameters")
-        step = self.comm_stats.steps
-        beta1, beta2 = self.betas
-        buffers = [[torch.zeros(b.padded, dtype=torch.int8) for b in self.buckets] for _ in range(N)]
-        # Worker-local Lion math, into each worker's buckets.
         for i in range(N):
-            ks = [k for k, g in enumerate(grads[i]) if g is not None]
-            gs = [self._grad(grads[i][k], k) for k in ks]
-            cs = lion_presign([self.momenta[i][k] for k in ks], gs, beta1, foreach=False)
-            for k, c in zip(ks, cs):
-                b, off = self._where(k)
-                view = buffers[i][b.index][off:off + c.numel()]
-                if self.aggregate == "quantized":
-                    view.copy_(quantize(c, self.quant_levels, self.quant_norm).reshape(-1))
-                else:
-                    view.copy_(torch.sign(c).reshape(-1))
-            if self.sign_hooks[i] is not None:
-                for b in self.buckets:
-                    buffers[i][b.index][:b.numel] = self.sign_hooks[i](step, buffers[i][b.index][:b.numel].clone())
-            lion_momentum_update([self.momenta[i][k] for k in ks], gs, beta2, foreach=False)
-        # Aggregation, per bucket, as the collectives would do it.
-        has_grad = [sum(grads[i][k] is not None for i in range(N)) for k in range(len(self.params))]
-        ps, deltas = [], []
-        for b in self.buckets:
-            active = [(j, k) for j, k in enumerate(b.params) if has_grad[k] > 0]
-            self._count_flags(b)
-            if not active:
-                continue
-            if self.aggregate == "quantized":
-                total = sum(buffers[i][b.index].to(torch.int16) for i in range(N))
-                codes = torch.sign(total).to(torch.int8)
-                self._count_field_sum(b.padded, 2 * self.quant_levels * N)
-            else:
-                zeros = self._abstentions([buffers[i][b.index] for i in range(N)], b)
-                codes = simulated([buffers[i][b.index] for i in range(N)], zeros, self.rule,
-                                  key=coin_key(self.seed, step, b.index))
-                self._count_algorithm(b, zeros)
-            for j, k in active:
-                p = self.params[k]
-                dtype = torch.float32 if p.dtype in _LOW_PRECISION else p.dtype
-                off = b.offsets[j]
-                deltas.append(self.rule.delta(codes[off:off + p.numel()], dtype).view_as(p))
-                ps.append(p)
-        apply_update(ps, deltas, self.lr, self.weight_decay, foreach=False)
+            for k, g in enumerate(grads[i]):
+                if g is not None and g.shape != self.params[k].shape:
+                    raise ValueError(f"gradient for parameter {k} has shape {tuple(g.shape)}, "
+                                     f"expected {tuple(self.params[k].shape)}")
+        step = self.comm_stats.steps
+        quant = (self.quant_levels, self.quant_norm) if self.aggregate == "quantized" else None
+        results = []
+        for kb, b in enumerate(self.buckets):
+            gens, present = [], []
+            for i in range(N):
+                buf = self.buffers[i][kb]
+                values, has, _ = contribute(b, buf, [grads[i][k] for k in b.indices], beta1=self.betas[0],
+                                            maximize=False, quant=quant)
+                if self.sign_hooks[i] is not None:
+                    values[:b.numel] = self.sign_hooks[i](step, values[:b.numel].clone())
+                present.append(has)
+                contrib = Contribution(values, b.numel, torch.tensor(has, dtype=torch.bool), 0, 0)
+                gens.append(self.algorithms[kb].run(self.wire[kb][i], contrib, i, coin_key(self.seed, step, kb)))
+            results.append((_lockstep(gens, self.comm_stats), present))
+        for kb, (b, (outcome, present)) in enumerate(zip(self.buckets, results)):
+            active = outcome.has_grad.tolist()
+            if any(active):
+                update = self.updates[kb]
+                update.copy_(outcome.codes[:b.numel])
+                if self.rule.vote == "avg":
+                    update.div_(N)
+                views = b.views(update)
+                apply_update([p for p, a in zip(b.params, active) if a], [u for u, a in zip(views, active) if a],
+                             self.lr, self.weight_decay, foreach=False)
+            for i in range(N):
+                if any(present[i]):
+                    update_momentum(b, self.buffers[i][kb], present[i], self.betas[1])
         self.comm_stats.steps += 1
         if momentum_sync_due(self.momentum_sync, self.comm_stats.steps):
             self.synchronize_momenta()
 
     def synchronize_momenta(self) -> None:
-        """Every worker's momentum becomes the fp32 mean of all of them."""
-        for k in range(len(self.params)):
-            mean = sum(m[k].float() for m in self.momenta) / self.world_size
-            for m in self.momenta:
-                m[k].copy_(mean)
-        b = 4 * self.num_params * 2 * (self.world_size - 1) / self.world_size
-        self.comm_stats.add("momentum_sync", b, b)
+        """Every worker's momentum becomes the fp32 mean of all of them (one all-reduce per bucket)."""
+        for kb in range(len(self.buckets)):
+            flats = [self.buffers[i][kb].momentum.float() for i in range(self.world_size)]
+            mean = simulate_collective("all_reduce", flats, self.comm_stats, "momentum_sync")[0]
+            mean.div_(self.world_size)
+            for i in range(self.world_size):
+                self.buffers[i][kb].momentum.copy_(mean)
 
-    # -- helpers ----------------------------------------------------------------
-    def _grad(self, g: Tensor, k: int) -> Tensor:
-        p = self.params[k]
-        if g.shape != p.shape:
-            raise ValueError(f"gradient for parameter {k} has shape {tuple(g.shape)}, expected {tuple(p.shape)}")
-        return g.float() if (g.dtype in _LOW_PRECISION or p.dtype in _LOW_PRECISION) else g
 
-    def _where(self, k: int):
-        for b in self.buckets:
-            if k in b.params:
-                return b, b.offsets[b.params.index(k)]
-        raise KeyError(k)
-
-    def _count_flags(self, b) -> None:
-        n = (len(b.params) + 2 + self.world_size) * 4 * 2 * (self.world_size - 1) / self.world_size
-        self.comm_stats.add("flags", n, n)
-
-    def _abstentions(self, deltas: list[Tensor], b):
-        """The ``zeros`` argument the ranks would agree on (see DistributedLion)."""
-        runs = [zero_runs(d, b.numel) if not bool(d[:b.numel].all()) else None for d in deltas]
-        counts = [0 if r is None else r.shape[0] for r in runs]
-        fmt = abstention_format(counts, b.padded, self.world_size)
-        if fmt != "runs":
-            return fmt == "ternary"
-        table = torch.zeros(self.world_size, max(counts), 2, dtype=torch.int32)
-        for i, r in enumerate(runs):
-            if r is not None:
-                table[i, :r.shape[0]] = r
-        moved = max(counts) * 8 * (self.world_size - 1)
-        self.comm_stats.add("zero_runs", moved, moved)
-        return table
-
-    def _count_field_sum(self, n: int, max_sum: int) -> None:
-        w = field_width(max_sum)
-        moved = n * (32 if w == 16 else w) / 8 * 2 * (self.world_size - 1) / self.world_size
-        self.comm_stats.add("all_reduce", moved, moved)
-
-    def _count_algorithm(self, b, zeros) -> None:
-        N, n = self.world_size, b.padded
-        up = upload_codec(zeros).nbytes(n)
-        if b.algorithm == "1bit":
-            self.comm_stats.add("all_to_all", up * (N - 1) / N, up * (N - 1) / N)
-            down = down_codec(self.rule, zeros)[0].nbytes(n // N)
-            self.comm_stats.add("all_gather", down * (N - 1), down * (N - 1))
-        elif b.algorithm == "allgather":
-            self.comm_stats.add("all_gather", up * (N - 1), up * (N - 1))
-        else:  # pbit
-            self._count_field_sum(n, N * (N + 1) if zeros is not False else N)
+def _lockstep(gens: list, stats: CommStats):
+    """Run every worker's algorithm generator, one collective at a time; return worker 0's outcome
+    (all workers reach the same one)."""
+    ops = [next(g) for g in gens]
+    while True:
+        kind, _, label = ops[0]
+        if any(op[0] != kind for op in ops):
+            raise AssertionError("simulated workers disagree on the next collective")
+        outs = simulate_collective(kind, [op[1] for op in ops], stats, label)
+        done, nxt = [], []
+        for g, out in zip(gens, outs):
+            try:
+                nxt.append(g.send(out))
+            except StopIteration as stop:
+                done.append(stop.value)
+        if done:
+            if nxt:
+                raise AssertionError("simulated workers disagree on the number of collectives")
+            return done[0]
+        ops = nxt

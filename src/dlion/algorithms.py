@@ -1,0 +1,542 @@
+"""Aggregation algorithms: every rank's int8 contribution → the same codes on every rank.
+
+One object per algorithm; each owns its wire format, the collectives it issues
+and the bytes they move (:meth:`Algorithm.estimated_bytes`, computed from the
+same block sizes the real run sends). The run itself is a generator,
+``run(state, contribution, rank, key)``, that *yields* the collectives it needs
+— ``(kind, send_tensor, label)`` — and receives their output; a driver decides
+how they travel (asynchronously on a process group in :class:`dlion.DistributedLion`,
+by concatenation in :class:`dlion.SimulatedDistributedLion`), so both run the
+same code and count the same bytes.
+
+Per bucket, a rank contributes δ ∈ {−1, 0, +1} (the sign of its Lion direction;
+0 = *abstain*: no gradient there, or c = 0) or, for quantised aggregation,
+q ∈ [−s, s]. A small header travels *inside* the first collective's payload —
+every rank's status (bad or non-finite gradient), a digest of its
+hyperparameters, which parameters it has gradients for, and where it abstains —
+so no rank needs a separate agreement round: after the first collective every
+rank knows every rank's header and takes the same decisions.
+
+Algorithms (``comm=``):
+
+* ``1bit`` — Lion Cub's 1-bit all-reduce: rank r receives chunk r of everyone's
+  signs (``all_to_all``), votes on it, and the codes are ``all_gather``-ed.
+  Per rank, each way: (1 + b)·(N−1)/N bits per coordinate (b: width of a code)
+  plus one header per block.
+* ``allgather`` — the naive reference: everyone's signs to everyone, count locally;
+  (N−1) bits per coordinate.
+* ``pbit`` — one SUM ``all_reduce`` of per-coordinate counters packed in fields
+  that cannot carry; 2·w·(N−1)/N bits (w = 2, 4, 8 or 32).
+* ``quantized`` — Lion Cub's quantised aggregation: Σ_i q_i by one packed-field
+  ``all_reduce``; Δ = sign(Σ q).
+
+Abstentions keep the 1-bit path: a sender lists its zero *runs* (``[start,
+end)`` pairs, up to ``runs_capacity`` per block, a fixed part of the header);
+receivers mask them out of the count. Where a rank has more runs than fit, every
+rank sees its overflow bit after the first collective, the bucket is re-sent as
+base-3 digits (1.6 bits) and stays so until everyone's runs fit again (half the
+capacity). The codes come back the same way: ±1 as 1 bit plus the zero runs of
+the result (where every rank abstained, or a tie gave 0), base-3 only when those
+runs do not fit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Generator, Optional
+
+import torch
+from torch import Tensor
+
+from .aggregation import VoteRule
+from .codec import ALIGN, FieldCodec, SignCodec, TritCodec, bits_for
+from .collectives import bytes_moved, field_width, pack_fields, unpack_fields
+
+__all__ = ["Contribution", "Outcome", "WireState", "Algorithm", "OneBit", "AllGather", "PBit", "Quantized",
+           "ALGORITHMS", "make_algorithm", "choose_algorithm", "LATENCY_BYTES", "BAD", "NONFINITE",
+           "zero_runs", "runs_mask"]
+
+BAD, NONFINITE = 1, 2          # status bits a rank reports for a bucket
+_ABSTAINS, _FITS, _OVERFLOW = 4, 8, 16
+_BITMAP_BITS = 16              # has-gradient bits per int32 header word (no sign-bit games)
+_SIGN, _TRIT = SignCodec(), TritCodec()
+
+
+@dataclass
+class Contribution:
+    """One rank's input to one bucket's aggregation."""
+
+    values: Tensor          # int8, the padded bucket: δ ∈ {−1, 0, 1} or q ∈ [−s, s]; padding is 0
+    numel: int              # real coordinates (values[numel:] is padding)
+    has_grad: Tensor        # bool, one per parameter of the bucket
+    status: int = 0         # BAD | NONFINITE
+    digest: int = 0         # hyperparameter digest (31 bits): must be equal on every rank
+
+
+@dataclass
+class Outcome:
+    """What every rank knows after a bucket's aggregation (identical on all ranks)."""
+
+    codes: Optional[Tensor]     # the rule's codes for the padded bucket; None if the step must not apply
+    has_grad: Tensor            # bool per parameter: a gradient on some rank
+    bad: int = 0                # ranks that rejected their gradients
+    nonfinite: int = 0          # ranks with inf/NaN
+    digests_agree: bool = True  # every rank sent the same hyperparameter digest
+    ranks_bad: list = field(default_factory=list)        # which ranks, where the wire format tells
+    ranks_nonfinite: list = field(default_factory=list)
+
+
+@dataclass
+class WireState:
+    """Per-bucket wire formats agreed by every rank (changes only on information all ranks share)."""
+
+    up: str = "runs"     # "runs" (1 bit + zero runs) or "ternary"; pbit: "narrow" or "wide"
+    down: str = "runs"   # "runs" or "ternary" (sign votes with abstentions)
+
+
+def zero_runs(values: Tensor, rows: int, numel: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Runs of 0 in values[:numel] (values viewed as ``rows`` equal rows, a run never
+    crossing a row): (row, start, end) int64 tensors, start/end relative to the row."""
+    width = values.numel() // rows
+    z = values == 0
+    if numel < values.numel():
+        z[numel:] = False
+    z = z.view(rows, width).to(torch.int8)
+    edge = torch.diff(z, dim=1, prepend=z.new_zeros(rows, 1), append=z.new_zeros(rows, 1))
+    starts = (edge == 1).nonzero()
+    ends = (edge == -1).nonzero()
+    return starts[:, 0], starts[:, 1], ends[:, 1]
+
+
+def runs_mask(rows: Tensor, starts: Tensor, ends: Tensor, shape: tuple[int, int]) -> Tensor:
+    """Bool mask of shape (R, W): True inside the given runs."""
+    r, w = shape
+    edge = torch.zeros(r * (w + 1), dtype=torch.int32, device=rows.device)
+    one = torch.ones(rows.numel(), dtype=torch.int32, device=rows.device)
+    edge.index_add_(0, rows * (w + 1) + starts, one)
+    edge.index_add_(0, rows * (w + 1) + ends, -one)
+    return edge.view(r, w + 1).cumsum(1)[:, :w] > 0
+
+
+# -- the header that rides in front of a block ------------------------------------------
+
+def _header_words(k: int, capacity: int) -> int:
+    return 3 + -(-k // _BITMAP_BITS) + 2 * capacity
+
+
+def _bitmap(has_grad: Tensor) -> Tensor:
+    k = has_grad.numel()
+    g = -(-k // _BITMAP_BITS)
+    bits = torch.zeros(g * _BITMAP_BITS, dtype=torch.int32)
+    bits[:k] = has_grad.to(torch.int32).cpu()
+    return (bits.view(g, _BITMAP_BITS) << torch.arange(_BITMAP_BITS, dtype=torch.int32)).sum(1, dtype=torch.int32)
+
+
+def _unbitmap(words: Tensor, k: int) -> Tensor:
+    """(senders, G) words → (senders, k) bool."""
+    bits = (words.unsqueeze(-1) >> torch.arange(_BITMAP_BITS, dtype=torch.int32)) & 1
+    return bits.reshape(words.shape[0], -1)[:, :k].bool()
+
+
+def _headers(contrib: Contribution, blocks: int, capacity: int, runs, slots: bool) -> Tensor:
+    """(blocks, H) int32 headers of one sender: status, digest, run count, has-gradient bitmap
+    and, with ``slots``, room for ``capacity`` zero runs, block r's runs in row r. Sets
+    _ABSTAINS when the sender has zeros, _FITS when every block's runs fit half the
+    capacity, _OVERFLOW (and lists no runs) when some block's runs exceed it."""
+    k = contrib.has_grad.numel()
+    g = -(-k // _BITMAP_BITS)
+    h = torch.zeros(blocks, _header_words(k, capacity if slots else 0), dtype=torch.int32)
+    status = contrib.status
+    rows, starts, ends = runs
+    if rows.numel():
+        status |= _ABSTAINS
+        counts = torch.bincount(rows.cpu(), minlength=blocks)
+        most = int(counts.max())
+        if most <= capacity // 2:
+            status |= _FITS
+        if most > capacity:
+            status |= _OVERFLOW
+        elif slots:
+            first = torch.cumsum(counts, 0) - counts
+            pos = torch.arange(rows.numel()) - first[rows.cpu()]
+            table = h[:, 3 + g:].view(blocks, capacity, 2)
+            table[rows.cpu(), pos, 0] = starts.cpu().to(torch.int32)
+            table[rows.cpu(), pos, 1] = ends.cpu().to(torch.int32)
+            h[:, 2] = counts.to(torch.int32)
+    else:
+        status |= _FITS
+    h[:, 0] = status
+    h[:, 1] = contrib.digest
+    h[:, 3:3 + g] = _bitmap(contrib.has_grad)
+    return h
+
+
+def _blocks(headers: Tensor, payload: Tensor, blocks: int) -> Tensor:
+    """Header and payload of each block side by side, each block padded to 4 bytes, flat uint8."""
+    p = payload.view(blocks, -1)
+    pad = (-p.shape[1]) % 4
+    parts = [headers.view(torch.uint8).view(blocks, -1).to(p.device), p]
+    if pad:
+        parts.append(p.new_zeros(blocks, pad))
+    return torch.cat(parts, dim=1).reshape(-1)
+
+
+def _split(received: Tensor, blocks: int, header_words: int) -> tuple[Tensor, Tensor]:
+    """Inverse of :func:`_blocks`: (blocks, H) int32 headers (on the CPU) and (blocks, P) payload bytes."""
+    b = received.view(blocks, -1)
+    hb = 4 * header_words
+    headers = b[:, :hb].contiguous().view(torch.int32).cpu()
+    return headers, b[:, hb:]
+
+
+def _read_headers(headers: Tensor, k: int) -> dict:
+    status = headers[:, 0].tolist()
+    return dict(
+        status=status,
+        bad=[i for i, s in enumerate(status) if s & BAD],
+        nonfinite=[i for i, s in enumerate(status) if s & NONFINITE],
+        abstains=any(s & _ABSTAINS for s in status),
+        fit=all(s & _FITS for s in status),
+        overflow=any(s & _OVERFLOW for s in status),
+        digests_agree=len(set(headers[:, 1].tolist())) == 1,
+        has_grad=_unbitmap(headers[:, 3:3 + -(-k // _BITMAP_BITS)], k).any(0),
+    )
+
+
+def _capacity(chunk: int) -> int:
+    """Run slots per block: about 2 % of the block's 1-bit payload (8 bytes a run), at least 4."""
+    return max(4, chunk // 3200)
+
+
+# -- algorithms ---------------------------------------------------------------------------
+
+class Algorithm:
+    """Base: ``name``, the rule, the world size; subclasses implement :meth:`run`
+    and :meth:`wire` (the collectives and their per-rank input bytes, without abstentions)."""
+
+    name = ""
+    calls = 1
+
+    def __init__(self, rule: VoteRule):
+        self.rule = rule
+        self.world = rule.world_size
+
+    def run(self, state: WireState, contrib: Contribution, rank: int, key: int) -> Generator:
+        raise NotImplementedError
+
+    def wire(self, n: int, k: int) -> list[tuple[str, int]]:
+        raise NotImplementedError
+
+    def estimated_bytes(self, n: int, k: int = 1) -> float:
+        """Bytes one rank sends per step for a padded bucket of n coordinates and k
+        parameters when no rank abstains: the sum over :meth:`wire` of :func:`bytes_moved`."""
+        return sum(bytes_moved(kind, b, self.world) for kind, b in self.wire(n, k))
+
+    def _codes_codec(self, abstains: bool, fmt: str):
+        """Codec of the codes on the way back: None means "1 bit + zero runs"."""
+        rule, n = self.rule, self.world
+        if rule.vote == "avg":
+            return rule.result_codec(abstains)
+        if not abstains:
+            return rule.result_codec(False)  # ±1 as 1 bit, or base-3 when an even N can tie
+        return _TRIT if fmt == "ternary" else None
+
+    def _count(self, payloads: Tensor, fmt: str, senders: int, width: int, runs_hdr: Optional[Tensor],
+               capacity: int, lo: int, numel: int, abstains: bool) -> tuple[Tensor, Tensor]:
+        """(s, nz) over ``senders`` payloads of ``width`` coordinates (the coordinates lo … lo+width−1)."""
+        if fmt == "ternary":
+            vals = _TRIT.decode(payloads.reshape(-1), senders * width).view(senders, width)
+            return vals.sum(0, dtype=torch.int16), vals.abs().sum(0, dtype=torch.int16)
+        bits = _SIGN.decode_bits(payloads.reshape(-1), senders * width).view(senders, width)
+        if not abstains:
+            plus = bits.sum(0, dtype=torch.int16)
+            return plus.mul_(2).sub_(senders), torch.full_like(plus, senders)
+        counts = runs_hdr[:, 0]
+        slots = runs_hdr[:, 1:].view(senders, capacity, 2)
+        sel = torch.arange(capacity).view(1, -1) < counts.view(-1, 1)
+        rows = torch.arange(senders).view(-1, 1).expand(-1, capacity)[sel]
+        off = slots[sel].long().to(bits.device)
+        abstain = runs_mask(rows.to(bits.device), off[:, 0], off[:, 1], (senders, width))
+        if lo + width > numel:
+            abstain[:, max(0, numel - lo):] = True  # padding abstains everywhere
+        voting = ~abstain
+        plus = (bits.bool() & voting).sum(0, dtype=torch.int16)
+        nz = voting.sum(0, dtype=torch.int16)
+        return plus.mul_(2).sub_(nz), nz
+
+    # the way back: one chunk's codes as "1 bit + its zero runs", or in a plain codec
+    def _down_block(self, codes: Tensor, numel: int, lo: int, codec, capacity: int) -> Tensor:
+        if codec is not None:
+            return codec.encode(codes)
+        rows, starts, ends = zero_runs(codes, 1, max(0, min(numel - lo, codes.numel())))
+        h = torch.zeros(1, 1 + 2 * capacity, dtype=torch.int32)
+        if rows.numel() > capacity:
+            h[0, 0] = -1  # overflow: every rank sees it and the codes are re-sent in base 3
+        elif rows.numel():
+            h[0, 0] = rows.numel()
+            h[0, 1:1 + 2 * rows.numel()] = torch.stack([starts, ends], 1).reshape(-1).cpu().to(torch.int32)
+        return _blocks(h, _SIGN.encode(codes), 1)
+
+    def _down_decode(self, gathered: Tensor, blocks: int, width: int, codec, capacity: int) -> Optional[Tensor]:
+        """All chunks' codes, or None when some chunk's zero runs overflowed."""
+        if codec is not None:
+            return codec.decode(gathered, blocks * width)
+        headers, payload = _split(gathered, blocks, 1 + 2 * capacity)
+        counts = headers[:, 0]
+        if bool((counts < 0).any()):
+            return None
+        codes = _SIGN.decode(payload[:, :width // 8].reshape(-1), blocks * width).view(blocks, width).clone()
+        sel = torch.arange(capacity).view(1, -1) < counts.view(-1, 1)
+        if bool(sel.any()):
+            rows = torch.arange(blocks).view(-1, 1).expand(-1, capacity)[sel]
+            off = headers[:, 1:].view(blocks, capacity, 2)[sel].long()
+            dev = codes.device
+            codes.masked_fill_(runs_mask(rows.to(dev), off[:, 0].to(dev), off[:, 1].to(dev), (blocks, width)), 0)
+        return codes.view(-1)
+
+    @staticmethod
+    def _runs_fit(codes: Tensor, blocks: int, numel: int, capacity: int) -> bool:
+        rows, _, _ = zero_runs(codes, blocks, numel)
+        return rows.numel() == 0 or int(torch.bincount(rows, minlength=blocks).max()) <= capacity // 2
+
+
+class OneBit(Algorithm):
+    """``all_to_all`` of 1-bit signs (+ header), vote per chunk, ``all_gather`` of the codes."""
+
+    name = "1bit"
+    calls = 2
+
+    def wire(self, n: int, k: int) -> list[tuple[str, int]]:
+        N, c = self.world, n // self.world
+        up = N * (4 * _header_words(k, _capacity(c)) + _pad4(c // 8))
+        codec = self._codes_codec(False, "runs")
+        return [("all_to_all", up), ("all_gather", codec.nbytes(c))]
+
+    def run(self, state, contrib, rank, key):
+        N, n, numel = self.world, contrib.values.numel(), contrib.numel
+        c, k = n // N, contrib.has_grad.numel()
+        cap, lo = _capacity(c), rank * c
+        runs = zero_runs(contrib.values, N, numel)
+        # way up: block r = this rank's header (with its zero runs in chunk r) + its signs of chunk r
+        while True:
+            fmt = state.up
+            headers = _headers(contrib, N, cap, runs, slots=fmt == "runs")
+            codec = _SIGN if fmt == "runs" else _TRIT
+            received = yield ("all_to_all", _blocks(headers, codec.encode(contrib.values), N), "signs")
+            hdrs, payloads = _split(received, N, headers.shape[1])
+            info = _read_headers(hdrs, k)
+            if fmt == "runs" and info["overflow"]:
+                state.up = "ternary"  # someone's runs did not fit: every rank re-sends this bucket in base 3
+                continue
+            if fmt == "ternary" and info["fit"]:
+                state.up = "runs"     # from the next step on
+            break
+        out = _outcome(info)
+        if out.bad or out.nonfinite or not out.digests_agree:
+            return out
+        s, nz = self._count(payloads[:, :codec.nbytes(c)], fmt, N, c, _runs_table(hdrs, k, fmt, info), cap, lo,
+                            numel, info["abstains"])
+        mine = self.rule.decide(s, nz, key=key, start=lo)
+        # way back: every rank gathers every chunk's codes
+        codec = self._codes_codec(info["abstains"], state.down)
+        block = self._down_block(mine, numel, lo, codec, cap)
+        gathered = yield ("all_gather", block, "codes")
+        codes = self._down_decode(gathered, N, c, codec, cap)
+        if codes is None:  # some chunk has more zero runs than fit: everyone re-sends its codes in base 3
+            state.down = "ternary"
+            gathered = yield ("all_gather", _TRIT.encode(mine), "codes")
+            codes = _TRIT.decode(gathered, n)
+        elif codec is _TRIT and info["abstains"] and self._runs_fit(codes, N, numel, cap):
+            state.down = "runs"
+        out.codes = codes
+        return out
+
+
+def _outcome(info: dict) -> Outcome:
+    return Outcome(None, info["has_grad"], len(info["bad"]), len(info["nonfinite"]), info["digests_agree"],
+                   info["bad"], info["nonfinite"])
+
+
+def _runs_table(hdrs: Tensor, k: int, fmt: str, info: dict) -> Optional[Tensor]:
+    """(senders, 1 + 2·capacity): each sender's run count and run slots, when they matter."""
+    if fmt != "runs" or not info["abstains"]:
+        return None
+    g = -(-k // _BITMAP_BITS)
+    return torch.cat([hdrs[:, 2:3], hdrs[:, 3 + g:]], dim=1)
+
+
+class AllGather(Algorithm):
+    """The naive reference: ``all_gather`` every rank's signs (+ header), count everything locally."""
+
+    name = "allgather"
+
+    def wire(self, n: int, k: int) -> list[tuple[str, int]]:
+        return [("all_gather", 4 * _header_words(k, _capacity(n)) + _pad4(n // 8))]
+
+    def run(self, state, contrib, rank, key):
+        N, n, numel = self.world, contrib.values.numel(), contrib.numel
+        k, cap = contrib.has_grad.numel(), _capacity(n)
+        runs = zero_runs(contrib.values, 1, numel)
+        while True:
+            fmt = state.up
+            headers = _headers(contrib, 1, cap, runs, slots=fmt == "runs")
+            codec = _SIGN if fmt == "runs" else _TRIT
+            received = yield ("all_gather", _blocks(headers, codec.encode(contrib.values), 1), "signs")
+            hdrs, payloads = _split(received, N, headers.shape[1])
+            info = _read_headers(hdrs, k)
+            if fmt == "runs" and info["overflow"]:
+                state.up = "ternary"
+                continue
+            if fmt == "ternary" and info["fit"]:
+                state.up = "runs"
+            break
+        out = _outcome(info)
+        if out.bad or out.nonfinite or not out.digests_agree:
+            return out
+        s, nz = self._count(payloads[:, :codec.nbytes(n)], fmt, N, n, _runs_table(hdrs, k, fmt, info), cap, 0,
+                            numel, info["abstains"])
+        out.codes = self.rule.decide(s, nz, key=key, start=0)
+        return out
+
+
+def _header_fields(contrib: Contribution, abstains: bool) -> Tensor:
+    """The header as 0/1 counters appended to a SUM all-reduce: status bits, abstention,
+    has-gradient per parameter and the 31 digest bits (whose sums must be 0 or N)."""
+    digest_bits = (torch.tensor(contrib.digest, dtype=torch.int64) >> torch.arange(31)) & 1
+    head = torch.tensor([contrib.status & BAD and 1, contrib.status & NONFINITE and 1, int(abstains)],
+                        dtype=torch.int64)
+    fields = torch.cat([head, contrib.has_grad.to(torch.int64).cpu(), digest_bits])
+    pad = (-fields.numel()) % 8
+    return torch.cat([fields, fields.new_zeros(pad)])
+
+
+def _read_fields(total: Tensor, k: int, world: int) -> dict:
+    t = total.to(torch.int64).cpu()
+    digest = t[3 + k:3 + k + 31]
+    return dict(bad=int(t[0]), nonfinite=int(t[1]), abstains=int(t[2]) > 0, has_grad=t[3:3 + k] > 0,
+                digests_agree=bool(((digest == 0) | (digest == world)).all()))
+
+
+class PBit(Algorithm):
+    """Lion Cub's p-bit all-reduce: one SUM ``all_reduce`` of per-coordinate counters.
+
+    Without abstentions ("narrow") each rank contributes [δ > 0]; the sum P ∈ [0, N]
+    gives s = 2P − N. With abstentions ("wide") it contributes [δ > 0] + (N+1)·[δ < 0],
+    whose sum P + (N+1)·M ≤ N(N+1) gives both counts. Fields are 2, 4, 8 or 16 bits
+    (16-bit fields travel as int32), the narrowest that cannot overflow.
+    """
+
+    name = "pbit"
+
+    def _width(self, wide: bool) -> int:
+        return field_width(self.world * (self.world + 1) if wide else self.world)
+
+    def wire(self, n: int, k: int) -> list[tuple[str, int]]:
+        w = self._width(False)
+        fields = n + 3 + k + 31
+        fields += (-fields) % 8
+        return [("all_reduce", fields * (32 if w == 16 else w) // 8)]
+
+    def run(self, state, contrib, rank, key):
+        N, n, numel = self.world, contrib.values.numel(), contrib.numel
+        k = contrib.has_grad.numel()
+        d = contrib.values
+        abstains = bool((d[:numel] == 0).any())
+        wide = state.up == "wide"
+        while True:
+            if wide:
+                v = (d > 0).to(torch.int32) + (N + 1) * (d < 0).to(torch.int32)
+            else:
+                v = (d > 0).to(torch.int32)
+            width = self._width(wide)
+            head = _header_fields(contrib, abstains).to(v.device, v.dtype)
+            words = pack_fields(torch.cat([v, head]), width)
+            total = yield ("all_reduce", words, "counters")
+            total = unpack_fields(total, width, n + head.numel())
+            info = _read_fields(total[n:], k, N)
+            if not wide and info["abstains"]:
+                wide = True
+                state.up = "wide"
+                continue
+            if wide and not info["abstains"]:
+                state.up = "narrow"
+            break
+        out = Outcome(None, info["has_grad"], info["bad"], info["nonfinite"], info["digests_agree"])
+        if info["bad"] or info["nonfinite"] or not info["digests_agree"]:
+            return out
+        t = total[:n].to(torch.int32)
+        if wide:
+            plus, minus = t % (N + 1), t // (N + 1)
+            s, nz = (plus - minus).to(torch.int16), (plus + minus).to(torch.int16)
+        else:
+            s = t.to(torch.int16).mul_(2).sub_(N)
+            nz = torch.full_like(s, N)
+        out.codes = self.rule.decide(s, nz, key=key, start=0)
+        return out
+
+
+class Quantized(Algorithm):
+    """Lion Cub's quantised aggregation: Σ_i q_i (q ∈ [−s, s]) by one packed-field SUM
+    ``all_reduce`` of q + s; codes = sign(Σ q). 2·w·(N−1)/N bits per coordinate, w the
+    narrowest field holding 2·s·N."""
+
+    name = "quantized"
+
+    def __init__(self, rule: VoteRule, levels: int):
+        super().__init__(rule)
+        self.levels = levels
+
+    def wire(self, n: int, k: int) -> list[tuple[str, int]]:
+        w = field_width(2 * self.levels * self.world)
+        fields = n + 3 + k + 31
+        fields += (-fields) % 8
+        return [("all_reduce", fields * (32 if w == 16 else w) // 8)]
+
+    def run(self, state, contrib, rank, key):
+        N, n, s = self.world, contrib.values.numel(), self.levels
+        k = contrib.has_grad.numel()
+        width = field_width(2 * s * N)
+        v = contrib.values.to(torch.int32) + s
+        head = _header_fields(contrib, False).to(v.device, v.dtype)
+        total = yield ("all_reduce", pack_fields(torch.cat([v, head]), width), "quantized")
+        total = unpack_fields(total, width, n + head.numel())
+        info = _read_fields(total[n:], k, N)
+        out = Outcome(None, info["has_grad"], info["bad"], info["nonfinite"], info["digests_agree"])
+        if not (info["bad"] or info["nonfinite"] or not info["digests_agree"]):
+            out.codes = torch.sign(total[:n].to(torch.int32) - s * N).to(torch.int8)
+        return out
+
+
+def _pad4(nbytes: int) -> int:
+    return nbytes + (-nbytes) % 4
+
+
+ALGORITHMS = {"1bit": OneBit, "allgather": AllGather, "pbit": PBit}
+
+#: A collective's fixed cost expressed in bytes (≈ 50 µs of latency at 10 Gbit/s):
+#: what lets "auto" prefer one collective over two for small buckets.
+LATENCY_BYTES = 64 * 1024
+
+
+def make_algorithm(name: str, rule: VoteRule, levels: int = 0) -> Algorithm:
+    if name == "quantized":
+        return Quantized(rule, levels)
+    return ALGORITHMS[name](rule)
+
+
+def choose_algorithm(n: int, k: int, rule: VoteRule) -> str:
+    """``comm="auto"``: the sign algorithm with the fewest bytes + LATENCY_BYTES per collective
+    for a padded bucket of n coordinates and k parameters (deterministic: identical on all ranks)."""
+    algs = {name: cls(rule) for name, cls in ALGORITHMS.items()}
+    return min(algs, key=lambda a: (algs[a].estimated_bytes(n, k) + algs[a].calls * LATENCY_BYTES, algs[a].calls))
+
+
+def padded_length(numel: int, world: int) -> int:
+    """Bucket length padded so each of the N chunks encodes on its own with every codec."""
+    quantum = ALIGN * world
+    return max(quantum, -(-numel // quantum) * quantum)
+
+
+__all__.append("padded_length")
+_ = math  # (math kept for callers' convenience in formulas)

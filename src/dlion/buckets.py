@@ -1,0 +1,166 @@
+"""Buckets: trainable parameters laid end to end in flat buffers, and the Lion math on them.
+
+A bucket is a run of parameters of one parameter group, device and dtype, in
+reverse registration order (gradients arrive roughly that way, like DDP). Its
+layout is fixed at construction. Per rank it owns flat buffers: the momentum
+(the optimizer's ``exp_avg`` state tensors are views into it), a gradient
+buffer, the int8 contribution and the update Δ, so the Lion math of a step is a
+handful of tensor operations per bucket whatever the number of parameters.
+
+Frozen parameters (``requires_grad=False``) are in no bucket: they never travel,
+have no momentum and do not count in ``num_params``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .algorithms import Contribution, padded_length
+from .quantize import quantize
+
+__all__ = ["Bucket", "layout_buckets", "work_dtype"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Momentum and update dtype: fp32 for bf16/fp16 parameters, else the parameter's."""
+    return torch.float32 if dtype in _LOW_PRECISION else dtype
+
+
+class Bucket:
+    """Parameters ``params`` (global indices ``indices``) of one group laid end to end,
+    padded to a multiple of ALIGN·N so that every rank's chunk encodes on its own."""
+
+    def __init__(self, index: int, params: list[Tensor], indices: list[int], group: dict, world: int):
+        self.index = index
+        self.params = params
+        self.indices = indices
+        self.group = group
+        self.sizes = [p.numel() for p in params]
+        self.offsets, off = [], 0
+        for n in self.sizes:
+            self.offsets.append(off)
+            off += n
+        self.numel = off
+        self.padded = padded_length(off, world)
+        self.device = params[0].device
+        self.dtype = work_dtype(params[0].dtype)
+        self.low_precision = params[0].dtype in _LOW_PRECISION
+
+    def flat(self, dtype: Optional[torch.dtype] = None) -> Tensor:
+        return torch.zeros(self.numel, dtype=dtype or self.dtype, device=self.device)
+
+    def views(self, flat: Tensor) -> list[Tensor]:
+        """Per-parameter views (parameter shapes) of a flat buffer of this bucket."""
+        return [flat[o:o + n].view(p.shape) for p, o, n in zip(self.params, self.offsets, self.sizes)]
+
+    def ranges(self, mask: list[bool]) -> list[tuple[int, int]]:
+        """Contiguous [start, end) coordinate ranges of the parameters where ``mask`` is True."""
+        out: list[tuple[int, int]] = []
+        for j, keep in enumerate(mask):
+            if not keep:
+                continue
+            lo, hi = self.offsets[j], self.offsets[j] + self.sizes[j]
+            if out and out[-1][1] == lo:
+                out[-1] = (out[-1][0], hi)
+            else:
+                out.append((lo, hi))
+        return out
+
+
+def layout_buckets(params: list[Tensor], groups: list[dict], world: int, cap_mb: float, *,
+                   trainable_only: bool = True) -> list[Bucket]:
+    """Buckets of the ``params`` (``groups[i]`` is param i's group; only those with
+    ``requires_grad`` unless ``trainable_only=False``), in reverse order, split by
+    (group, device, dtype); ``cap_mb`` counts fp32 coordinates like DDP."""
+    cap = max(1, int(cap_mb * 2**20 / 4))
+    buckets: list[Bucket] = []
+    pending: dict = {}
+    for i in reversed(range(len(params))):
+        p = params[i]
+        if trainable_only and not p.requires_grad:
+            continue
+        key = (id(groups[i]), p.device, p.dtype)
+        ps, idx = pending.setdefault(key, ([], []))
+        if ps and sum(q.numel() for q in ps) + p.numel() > cap:
+            buckets.append(Bucket(len(buckets), ps, idx, groups[i], world))
+            ps, idx = pending[key] = ([], [])
+        ps.append(p)
+        idx.append(i)
+    for (gid, _, _), (ps, idx) in pending.items():
+        if ps:
+            buckets.append(Bucket(len(buckets), ps, idx, groups[idx[0]], world))
+    return buckets
+
+
+class RankBuffers:
+    """One rank's flat buffers for one bucket (the simulator keeps N of these)."""
+
+    def __init__(self, b: Bucket):
+        self.momentum = b.flat()
+        self.grad = b.flat()
+        self.values = torch.zeros(b.padded, dtype=torch.int8, device=b.device)
+        self.grad_views = b.views(self.grad)
+        self.momentum_views = b.views(self.momentum)
+
+
+def contribute(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], *, beta1: float, maximize: bool,
+               quant: Optional[tuple[int, str]] = None) -> tuple[Tensor, list[bool], bool]:
+    """This rank's int8 contribution for bucket ``b`` from its gradients (None = no gradient):
+    c = β1·m + (1 − β1)·g per coordinate; δ = sign(c) (or q = quantize(c) per parameter with
+    ``quant = (levels, norm)``); coordinates of parameters without a gradient abstain (0).
+    Returns (values, has_grad per parameter, all c finite). Momentum is left untouched."""
+    present = [g is not None for g in grads]
+    values = buf.values
+    if not any(present):
+        values.zero_()
+        return values, present, True
+    dst = [v for v, ok in zip(buf.grad_views, present) if ok]
+    src = [g for g in grads if g is not None]
+    if dst:
+        torch._foreach_copy_(dst, src)  # casts bf16/fp16 gradients to the fp32 work dtype
+    partial = not all(present)
+    if partial:
+        for j, ok in enumerate(present):
+            if not ok:
+                buf.grad_views[j].zero_()
+    g = buf.grad
+    if maximize:
+        g.neg_()
+    c = torch.mul(buf.momentum, beta1).add_(torch.mul(g, 1.0 - beta1))
+    finite = _all_finite(c)
+    out = values[:b.numel]
+    if quant is None:  # sign(c) as int8 without a float temporary: [c > 0] − [c < 0]
+        torch.sub((c > 0).view(torch.int8), (c < 0).view(torch.int8), out=out)
+    else:
+        levels, norm = quant
+        for j, (o, n) in enumerate(zip(b.offsets, b.sizes)):
+            if present[j]:
+                out[o:o + n].copy_(quantize(c[o:o + n], levels, norm))
+    if partial:
+        for j, ok in enumerate(present):
+            if not ok:
+                out[b.offsets[j]:b.offsets[j] + b.sizes[j]].zero_()
+    return values, present, finite
+
+
+def update_momentum(b: Bucket, buf: RankBuffers, present: list[bool], beta2: float) -> None:
+    """m ← β2·m + (1 − β2)·g on the coordinates of parameters this rank had gradients for."""
+    if all(present):
+        buf.momentum.mul_(beta2).add_(torch.mul(buf.grad, 1.0 - beta2))
+        return
+    for lo, hi in b.ranges(present):
+        m = buf.momentum[lo:hi]
+        m.mul_(beta2).add_(torch.mul(buf.grad[lo:hi], 1.0 - beta2))
+
+
+def _all_finite(c: Tensor) -> bool:
+    """One min/max reduction (NaN propagates, ±inf shows at an end): much cheaper than isfinite().all()."""
+    return bool(torch.isfinite(torch.stack(torch.aminmax(c.reshape(-1)))).all()) if c.numel() else True
+
+
+__all__ += ["RankBuffers", "contribute", "update_momentum", "Contribution"]
