@@ -48,7 +48,7 @@ from .aggregation import VoteRule, coin_key
 from .algorithms import ALGORITHMS, BAD, NONFINITE, Contribution, Outcome, WireState, choose_algorithm, make_algorithm
 from .buckets import Bucket, RankBuffers, contribute, layout_buckets, update_momentum, work_dtype
 from .collectives import CommStats, GroupTransport
-from .lion import Lion, _LOW_PRECISION, _use_foreach, apply_update, check_grad
+from .lion import Lion, _LOW_PRECISION, apply_update, check_grad
 from .quantize import NORMS, levels
 
 __all__ = ["DistributedLion", "DesyncError", "momentum_sync_due"]
@@ -205,14 +205,17 @@ class DistributedLion(Lion):
             self.buckets = layout_buckets(self._params, self._group_of, world, bucket_cap_mb)
             self._buffers = [RankBuffers(b) for b in self.buckets]
             self._update = [b.flat() for b in self.buckets]
-            self._update_views = [b.views(u) for b, u in zip(self.buckets, self._update)]
+            self._flatten_parameters()
             self._algorithms = [self._algorithm_for(b) for b in self.buckets]
             self._wire = [WireState(up="narrow" if a.name == "pbit" else "runs") for a in self._algorithms]
             self._trainable = {id(p) for b in self.buckets for p in b.params}
-            for b, buf in zip(self.buckets, self._buffers):
-                for p, m in zip(b.params, buf.momentum_views):
+            # Optimizer state as views of per-bucket flat tensors: momenta and step counters.
+            self._steps = [torch.zeros(len(b.params)) for b in self.buckets]
+            for b, buf, steps in zip(self.buckets, self._buffers, self._steps):
+                for j, (p, m) in enumerate(zip(b.params, buf.momentum_views)):
                     self.state[p]["exp_avg"] = m
-                    self.state[p]["step"] = torch.tensor(0.0)
+                    self.state[p]["step"] = steps[j]
+            self._frozen = [p for p in self._params if not p.requires_grad]
             self._first = GroupTransport(process_group, self.comm_stats)
             # Hooks issue first collectives during backward; the later ones of each bucket go on a
             # second group, in bucket order, so the two streams can never interleave differently.
@@ -274,6 +277,35 @@ class DistributedLion(Lion):
             flat = torch.cat([p.detach().reshape(-1) for p in ps])
             dist.broadcast(flat, src=src, group=self.process_group)
             _scatter_flat(flat, ps)
+
+    @torch.no_grad()
+    def _flatten_parameters(self) -> None:
+        """Make each bucket's parameters views of one flat tensor, so that applying Δ costs a
+        few operations per bucket whatever the number of parameters (values are unchanged)."""
+        self._flat_params = []
+        for b in self.buckets:
+            flat = torch.empty(b.numel, dtype=b.params[0].dtype, device=b.device)
+            for p, view in zip(b.params, b.views(flat)):
+                view.copy_(p)
+                p.data = view
+            self._flat_params.append(flat)
+        self._param_ptrs = [[p.data_ptr() for p in b.params] for b in self.buckets]
+
+    def _check_flat(self) -> None:
+        """Parameters whose storage was replaced (``p.data = …``) are copied back into their bucket."""
+        for k, b in enumerate(self.buckets):
+            if [p.data_ptr() for p in b.params] == self._param_ptrs[k]:
+                continue
+            for p, view, ptr in zip(b.params, b.views(self._flat_params[k]), self._param_ptrs[k]):
+                if p.data_ptr() != ptr:
+                    if p.shape != view.shape or p.dtype != view.dtype or p.device != view.device:
+                        raise RuntimeError(
+                            f"DistributedLion: a parameter of shape {tuple(view.shape)} was replaced by one of "
+                            f"shape {tuple(p.shape)}, dtype {p.dtype} on {p.device} after the optimizer was built; "
+                            "build the optimizer after changing the model.")
+                    with torch.no_grad():
+                        view.copy_(p)
+                        p.data = view
 
     def bucket_layout(self) -> list[Optional[tuple[int, int, int]]]:
         """(bucket index, offset, padded bucket length) of every parameter, in parameter
@@ -356,6 +388,7 @@ class DistributedLion(Lion):
             with torch.enable_grad():
                 loss = closure()
         self._check_frozen()
+        self._check_flat()
         step_no = self.comm_stats.steps
         if self._step is None:
             self._step = _Step(self)
@@ -398,6 +431,8 @@ class DistributedLion(Lion):
             self.check_replicas()
 
     def _apply(self, k: int, b: Bucket, o: Outcome, present: list[bool]) -> None:
+        """x ← x·(1 − η·λ) − η·Δ on the bucket's flat parameters (those some rank had a gradient
+        for), then this rank's momentum update."""
         group = b.group
         active = o.has_grad.tolist()
         if any(active):
@@ -405,18 +440,16 @@ class DistributedLion(Lion):
             update.copy_(o.codes[:b.numel])
             if self.rule.vote == "avg":
                 update.div_(self.world_size)
-            if all(active):
-                ps, us = b.params, self._update_views[k]
-            else:
-                ps = [p for p, a in zip(b.params, active) if a]
-                us = [u for u, a in zip(self._update_views[k], active) if a]
-            apply_update(ps, us, group["lr"], group["weight_decay"], foreach=_use_foreach(group["foreach"], ps))
-            torch._foreach_add_([self.state[p]["step"] for p in ps], 1.0)
+            flat = self._flat_params[k]
+            spans = [(0, b.numel)] if all(active) else b.ranges(active)
+            apply_update([flat[lo:hi] for lo, hi in spans], [update[lo:hi] for lo, hi in spans],
+                         group["lr"], group["weight_decay"], foreach=False)
+            self._steps[k].add_(o.has_grad.to(self._steps[k].dtype))
         if any(present):
             update_momentum(b, self._buffers[k], present, group["betas"][1])
 
     def _check_frozen(self) -> None:
-        for p in self._params:
+        for p in self._frozen:
             if p.grad is not None and id(p) not in self._trainable:
                 raise RuntimeError(
                     f"DistributedLion: a parameter of shape {tuple(p.shape)} has a gradient but had "
@@ -533,7 +566,11 @@ class DistributedLion(Lion):
                 else:
                     view.copy_(m.reshape(view.shape))
                 st["exp_avg"] = view
-                st.setdefault("step", torch.tensor(0.0))
+        for b, steps in zip(self.buckets, getattr(self, "_steps", [])):
+            for j, p in enumerate(b.params):
+                st = self.state[p]
+                steps[j] = float(st["step"]) if "step" in st else 0.0
+                st["step"] = steps[j]
         if extra is not None:
             self.comm_stats.load_state_dict(extra["comm_stats"])
             self.skipped_steps = int(extra.get("skipped_steps", 0))
