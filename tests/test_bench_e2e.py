@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from dlion.bench import e2e  # noqa: E402
+from dlion.lab.bench import e2e  # noqa: E402
 
 
 def test_parse_methods_groups_and_errors():

@@ -13,7 +13,7 @@ import dlion
 from dlion import checkpoint
 from dlion.checkpoint import CheckpointError, CheckpointWarning
 from dlion.distributed import DesyncError
-from dlion.spawn import spawn
+from dlion.lab.spawn import spawn
 
 K = 5  # steps before the checkpoint; the runs go to 2K
 

@@ -8,7 +8,7 @@ import torch
 from dlion.aggregation import VoteRule, coin_key, tie_coins
 from dlion.codec import ALIGN
 from dlion.collectives import ALGORITHMS, CommStats, choose_algorithm, estimated_bytes, field_width, zero_runs
-from dlion.spawn import spawn
+from dlion.lab.spawn import spawn
 
 RULES = [("mavo", "zero"), ("mavo", "random"), ("avg", "zero")]
 

@@ -14,7 +14,7 @@ import torch
 
 import dlion
 from dlion.aggregation import coin_key, tie_coins
-from dlion.spawn import spawn
+from dlion.lab.spawn import spawn
 
 SHAPES = [((6, 5), torch.float32), ((17,), torch.float64), ((4,), torch.float32), ((3, 3), torch.float32),
           ((1,), torch.float32), ((50,), torch.float32), ((100, 50), torch.float32)]

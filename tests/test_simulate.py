@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dlion.simulate import SimulatedDistributedLion
-from dlion.spawn import spawn
+from dlion.lab.spawn import spawn
 from test_distributed import BETAS, LR, SHAPES, STEPS, WD, grads_for, init_params, worker
 
 CASES = [

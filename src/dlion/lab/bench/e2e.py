@@ -1,6 +1,6 @@
 """``dlion bench e2e``: end-to-end time per training step on an emulated slow network.
 
-Every method trains the same workload — a character-level GPT (:class:`dlion.models.CharGPT`)
+Every method trains the same workload — a character-level GPT (:class:`dlion.lab.models.CharGPT`)
 on Shakespeare, each rank on its own random windows — for ``--warmup`` + ``--steps`` steps,
 on ``--workers`` ranks, at each link rate of ``--link``:
 
@@ -230,7 +230,7 @@ def _counting(inner: Callable, tally: dict) -> Callable:
 
 
 def _build_model(cfg: dict, vocab_size: int):
-    from dlion.models import CharGPT
+    from dlion.lab.models import CharGPT
 
     torch.manual_seed(cfg["seed"])  # identical on every rank: no initial broadcast needed
     return CharGPT(vocab_size, block_size=cfg["block_size"], n_layer=cfg["n_layer"],
@@ -349,7 +349,7 @@ class MethodRun:
 
 
 def make_batches(train_ids, cfg: dict, rank: int) -> list:
-    from dlion.data import char_batches
+    from dlion.lab.data import char_batches
 
     g = torch.Generator().manual_seed(1000 * cfg["seed"] + rank)
     return [char_batches(train_ids, cfg["block_size"], cfg["batch_size"], g)
@@ -401,7 +401,7 @@ def _load_data(cfg: dict):
     if cfg.get("synthetic"):
         g = torch.Generator().manual_seed(0)
         return torch.randint(0, 84, (200_000,), generator=g), 84
-    from dlion.data import load_shakespeare
+    from dlion.lab.data import load_shakespeare
 
     train_ids, _, vocab = load_shakespeare()
     return train_ids, len(vocab)
@@ -655,7 +655,7 @@ def main(argv: list[str]) -> int:
     if args.loopback:
         links = [("loopback", None)]
     else:
-        from dlion.cluster import parse_rate
+        from dlion.lab.cluster import parse_rate
 
         try:
             links = [(t.strip(), parse_rate(t.strip())) for t in args.link.split(",") if t.strip()]
@@ -687,7 +687,7 @@ def main(argv: list[str]) -> int:
 def _run_loopback(args, cfg: dict, raw: dict, bar) -> Optional[str]:
     import torch.multiprocessing as mp
 
-    from dlion.spawn import spawn
+    from dlion.lab.spawn import spawn
 
     # Imported once here so that the forked ranks inherit them: DDP's hooks and the torch._dynamo
     # that DDP's constructor imports take seconds to import.
@@ -726,10 +726,10 @@ def _run_loopback(args, cfg: dict, raw: dict, bar) -> Optional[str]:
 
 
 def _run_cluster(args, cfg: dict, links: list, raw: dict, bar) -> Optional[str]:
-    from dlion.cluster import ClusterError, RootRequiredError, VirtualCluster, exit_code
+    from dlion.lab.cluster import ClusterError, RootRequiredError, VirtualCluster, exit_code
 
     prefix = args.prefix or f"dle{os.getpid() % 100000}"
-    cmd = [sys.executable, "-m", "dlion.bench.e2e", "--worker", json.dumps(cfg)]
+    cmd = [sys.executable, "-m", "dlion.lab.bench.e2e", "--worker", json.dumps(cfg)]
     try:
         with VirtualCluster(args.workers, link=links[0][0], prefix=prefix) as cluster:
             for link, _ in links:

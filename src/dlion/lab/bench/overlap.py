@@ -110,11 +110,11 @@ def main(argv: list[str]) -> int:
     if args.worker:
         return _env_worker(args)
     if args.loopback:
-        from dlion.spawn import spawn
+        from dlion.lab.spawn import spawn
 
         report(spawn(worker, args.workers, args, timeout_s=900)[0], args, "loopback (no shaping)")
         return 0
-    from dlion.cluster import VirtualCluster, exit_code
+    from dlion.lab.cluster import VirtualCluster, exit_code
 
     cmd = [sys.executable, "-m", "dlion", "bench", "overlap", "--worker"] + [a for a in argv if a != "--worker"]
     with VirtualCluster(args.workers, link=args.link, prefix=f"dlov{os.getpid() % 10000}") as cluster:
