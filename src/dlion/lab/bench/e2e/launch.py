@@ -1,20 +1,20 @@
 """Running ``dlion bench e2e``'s ranks: the per-rank loop that steps every method, and
 launching it on loopback (forked local ranks) or on the virtual cluster (one process per
-rank, one run per link rate)."""
+rank, one run per link rate) with the benchmarks' shared launcher (:mod:`dlion.lab.bench.launch`)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
 import sys
-import threading
-import time
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from ..launch import env_worker, run_cluster, run_loopback
 from .instrument import Instrument
 from .methods import MethodRun
 
@@ -78,42 +78,27 @@ def _load_data(cfg: dict):
     return train_ids, len(vocab)
 
 
+def _cluster_rank(rank: int, world: int, cfg: dict, emit: Callable[[dict], None]) -> None:
+    train_ids, vocab_size = _load_data(cfg)
+    run_methods(rank, world, cfg, train_ids, vocab_size, emit)
+
+
 def _env_worker(cfg: dict) -> int:
     """One rank inside the virtual cluster (env:// rendezvous): prints a TICK line per step
     (rank 0) and a RESULT line with JSON per method."""
-    from datetime import timedelta
-
-    dist.init_process_group("gloo", timeout=timedelta(seconds=cfg["timeout"]))
-    try:
-        train_ids, vocab_size = _load_data(cfg)
-
-        def emit(d: dict) -> None:
-            print("TICK" if "tick" in d else "RESULT " + json.dumps(d), flush=True)
-
-        run_methods(dist.get_rank(), dist.get_world_size(), cfg, train_ids, vocab_size, emit)
-    finally:
-        dist.destroy_process_group()
-    return 0
+    return env_worker(_cluster_rank, cfg, timeout_s=cfg["timeout"])
 
 
-def _spawn_entry(rank: int, world: int, cfg: dict, train_ids, vocab_size: int, ticks) -> list:
-    got: list = []
-
-    def emit(d: dict) -> None:
-        if "tick" in d:
-            ticks.put(1)
-        else:
-            got.append(d)
-
-    run_methods(rank, world, cfg, train_ids, vocab_size, emit)
+def _by_method(per_rank: list[list[dict]]) -> dict:
+    """Every rank's result dicts, grouped by method: method -> [per-rank dicts]."""
+    got: dict = {}
+    for results in per_rank:
+        for d in results:
+            got.setdefault(d["method"], []).append(d)
     return got
 
 
 def _run_loopback(args, cfg: dict, raw: dict, bar) -> Optional[str]:
-    import torch.multiprocessing as mp
-
-    from dlion.lab.spawn import spawn
-
     # Imported once here so that the forked ranks inherit them: DDP's hooks and the torch._dynamo
     # that DDP's constructor imports take seconds to import.
     import torch._dynamo  # noqa: F401
@@ -123,57 +108,26 @@ def _run_loopback(args, cfg: dict, raw: dict, bar) -> Optional[str]:
     import dlion.distributed  # noqa: F401
 
     train_ids, vocab_size = _load_data(cfg)
-    ticks = mp.get_context("fork").SimpleQueue()
-    done = threading.Event()
-
-    def pump() -> None:
-        while not done.is_set() or not ticks.empty():
-            if ticks.empty():
-                time.sleep(0.05)
-                continue
-            ticks.get()
-            if bar is not None:
-                bar.update(1)
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
     if bar is not None:
         bar.set_postfix_str("loopback")
-    try:
-        per_rank = spawn(_spawn_entry, args.workers, cfg, train_ids, vocab_size, ticks, timeout_s=args.timeout)
-    finally:
-        done.set()
-        reader.join()
-    for got in per_rank:
-        for d in got:
-            raw.setdefault("loopback", {}).setdefault(d["method"], []).append(d)
+    per_rank = run_loopback(run_methods, args.workers, cfg, train_ids, vocab_size, timeout_s=args.timeout,
+                            on_tick=None if bar is None else lambda: bar.update(1))
+    raw["loopback"] = _by_method(per_rank)
     return None
 
 
 def _run_cluster(args, cfg: dict, links: list, raw: dict, bar) -> Optional[str]:
-    from dlion.lab.cluster import ClusterError, RootRequiredError, VirtualCluster, exit_code
+    from dlion.lab.cluster import ClusterError, RootRequiredError, exit_code
 
     prefix = args.prefix or f"dle{os.getpid() % 100000}"
     cmd = [sys.executable, "-m", "dlion.lab.bench.e2e", "--worker", json.dumps(cfg)]
     try:
-        with VirtualCluster(args.workers, link=links[0][0], prefix=prefix) as cluster:
-            for link, _ in links:
-                cluster.set_link(link)
-                if bar is not None:
-                    bar.set_postfix_str(link)
-                got: dict = {}
-
-                def on_line(rank: int, stream: str, line: str, link=link, got=got) -> None:
-                    if stream != "stdout":
-                        return
-                    if line.startswith("RESULT "):
-                        d = json.loads(line[len("RESULT "):])
-                        got.setdefault(d["method"], []).append(d)
-                    elif line == "TICK" and bar is not None:
-                        bar.update(1)
-
-                results = cluster.run(cmd, timeout=args.timeout, on_line=on_line)
-                raw[link] = got
+        with contextlib.closing(run_cluster(cmd, args.workers, [link for link, _ in links], prefix=prefix,
+                                            timeout=args.timeout,
+                                            on_tick=None if bar is None else lambda: bar.update(1),
+                                            on_link=None if bar is None else bar.set_postfix_str)) as runs:
+            for link, per_rank, results in runs:
+                raw[link] = _by_method(per_rank)
                 if exit_code(results):
                     for r in results:
                         if not r.ok:
