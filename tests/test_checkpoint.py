@@ -6,7 +6,6 @@ import warnings
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  torch.optim imports it lazily (~3 s); once here, not in every forked worker
 from torch import nn
 
 import dlion

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  torch.optim imports it lazily (~3 s); once here, not in every forked worker
 import torch.distributed as dist
 from torch import nn
 
