@@ -4,8 +4,9 @@ Each worker gets gradients that are a fixed function of (rank, step) (``grads_fo
 conftest.py, shared with the Lion Cub and simulation tests), including the awkward cases:
 a row whose gradient is always 0 (a padding embedding), a parameter no rank ever has a
 gradient for, and one only even ranks have.
-The reference below is written from papers.md §2 directly — it shares no code
-with the optimizer except the tie-coin hash, which is part of the contract.
+The reference below is written directly from the update rule of "Communication Efficient
+Distributed Training with Distributed Lion" (Liu et al. 2024, arXiv 2404.00438) — it
+shares no code with the optimizer except the tie-coin hash, which is part of the contract.
 """
 
 import math
