@@ -17,5 +17,6 @@ job imports. The lab is everything used to exercise, measure and demonstrate it:
 * ``faults``       fault injection: Byzantine sign hooks
 * ``cli``          the ``dlion`` command
 
-The lab imports the library; the library never imports the lab.
+The lab imports the library; the library never imports the lab (only ``python -m dlion``,
+the library's ``__main__``, hands over to :func:`dlion.lab.cli.main`).
 """
