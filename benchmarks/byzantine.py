@@ -1,8 +1,8 @@
 """Byzantine workers: majority vote vs averaging when k of N workers send corrupted signs.
 
-Real Gloo workers (``dlion.spawn``, one process per worker) train a small MLP
+Real Gloo workers (``dlion.lab.spawn``, one process per worker) train a small MLP
 (64-32-10) on scikit-learn's 8x8 digits with :class:`dlion.DistributedLion`.
-Workers 0..k-1 are faulty: their sign hook (:mod:`dlion.faults`) replaces the
+Workers 0..k-1 are faulty: their sign hook (:mod:`dlion.lab.faults`) replaces the
 signs they send — ``sign_flip`` sends −δ, ``random_signs`` sends random ±1.
 Every worker still applies the aggregated Δ, so all replicas stay identical
 (checked every 50 steps). We record the test accuracy of the shared model.
@@ -25,9 +25,9 @@ import torch._dynamo  # noqa: F401  imported once here instead of in every forke
 from torch import nn
 
 import dlion
-from dlion import faults
-from dlion.data import load_digits_split
-from dlion.spawn import spawn
+from dlion.lab import faults
+from dlion.lab.data import load_digits_split
+from dlion.lab.spawn import spawn
 
 
 def worker(rank, world, data, configs, steps, eval_every, lr, batch):

@@ -32,7 +32,7 @@ from torch import nn
 
 import dlion
 from dlion import checkpoint
-from dlion.data import load_digits_split
+from dlion.lab.data import load_digits_split
 
 
 def parse_args(argv=None):

@@ -20,8 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import dlion
-from dlion.data import load_digits_split, shard
-from dlion.models import DigitsCNN
+from dlion.lab.data import load_digits_split, shard
+from dlion.lab.models import DigitsCNN
 
 # -----------------------------------------------------------------------------
 # config

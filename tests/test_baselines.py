@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from dlion.experiments.baselines import DGC, GradDrop, MeanFP32, TernGrad, dgc_density, topk_mask
+from dlion.lab.experiments.baselines import DGC, GradDrop, MeanFP32, TernGrad, dgc_density, topk_mask
 
 
 def test_mean_fp32_is_the_mean_and_costs_64_bits():

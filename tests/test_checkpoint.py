@@ -6,14 +6,13 @@ import warnings
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  torch.optim imports it lazily (~3 s); once here, not in every forked worker
 from torch import nn
 
 import dlion
 from dlion import checkpoint
 from dlion.checkpoint import CheckpointError, CheckpointWarning
 from dlion.distributed import DesyncError
-from dlion.spawn import spawn
+from dlion.lab.spawn import spawn
 
 K = 5  # steps before the checkpoint; the runs go to 2K
 

@@ -1,4 +1,4 @@
-"""Tests of the virtual cluster (dlion.cluster).
+"""Tests of the virtual cluster (dlion.lab.cluster).
 
 The namespace tests need root and a kernel that allows network namespaces; they
 are skipped otherwise. Each test uses its own prefix so that tests (and other
@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from dlion import cluster as vc
-from dlion.cluster import (
+from dlion.lab import cluster as vc
+from dlion.lab.cluster import (
     ClusterBusyError,
     ClusterRunError,
     RootRequiredError,

@@ -13,7 +13,7 @@ from dlion.codec import ALIGN
 from dlion.collectives import CommStats, GroupTransport, field_width
 from dlion.distributed import _Flight
 from dlion.simulate import _lockstep
-from dlion.spawn import spawn
+from dlion.lab.spawn import spawn
 
 RULES = [("mavo", "zero"), ("mavo", "random"), ("avg", "zero")]
 PATTERNS = ("dense", "scattered", "clustered")

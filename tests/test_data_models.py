@@ -1,4 +1,4 @@
-"""Tests for the offline datasets (dlion.data) and small models (dlion.models)."""
+"""Tests for the offline datasets (dlion.lab.data) and small models (dlion.lab.models)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dlion import data, models
+from dlion.lab import data, models
 
 # ---------------------------------------------------------------------------
 # Loaders

@@ -2,7 +2,7 @@
 
 import re
 
-from dlion.demo import main
+from dlion.lab.demo import main
 
 METHODS = ("G-Lion (DDP)", "D-Lion MaVo", "D-Lion Avg")
 

@@ -1,10 +1,12 @@
 """DistributedLion on real Gloo process groups against a single-process simulation of N workers.
 
-Each worker gets gradients that are a fixed function of (rank, step), including
-the awkward cases: a row whose gradient is always 0 (a padding embedding), a
-parameter no rank ever has a gradient for, and one only even ranks have.
-The reference below is written from papers.md §2 directly — it shares no code
-with the optimizer except the tie-coin hash, which is part of the contract.
+Each worker gets gradients that are a fixed function of (rank, step) (``grads_for`` in
+conftest.py, shared with the Lion Cub and simulation tests), including the awkward cases:
+a row whose gradient is always 0 (a padding embedding), a parameter no rank ever has a
+gradient for, and one only even ranks have.
+The reference below is written directly from the update rule of "Communication Efficient
+Distributed Training with Distributed Lion" (Liu et al. 2024, arXiv 2404.00438) — it
+shares no code with the optimizer except the tie-coin hash, which is part of the contract.
 """
 
 import math
@@ -14,49 +16,8 @@ import torch
 
 import dlion
 from dlion.aggregation import coin_key, tie_coins
-from dlion.spawn import spawn
-
-SHAPES = [((6, 5), torch.float32), ((17,), torch.float64), ((4,), torch.float32), ((3, 3), torch.float32),
-          ((1,), torch.float32), ((50,), torch.float32), ((100, 50), torch.float32)]
-LR, BETAS, WD = 0.01, (0.9, 0.99), 0.1
-STEPS = 6
-
-
-def init_params(rank):
-    g = torch.Generator().manual_seed(1000 + rank)  # different on every rank: construction must broadcast rank 0's
-    return [torch.randn(s, generator=g, dtype=d) for s, d in SHAPES]
-
-
-def grads_for(rank, step, dense):
-    g = torch.Generator().manual_seed(10_000 * rank + step)
-    grads = [torch.randn(s, generator=g, dtype=d) for s, d in SHAPES]
-    if dense:
-        return grads
-    grads[0][0] = 0.0       # padding row: zero everywhere, every step
-    grads[6][10 + rank:13 + rank] = 0.0  # "dead units", partly shared between ranks: zero-run tables
-    grads[2] = None         # no gradient on any rank
-    if rank % 2:
-        grads[3] = None     # gradient only on even ranks
-    return grads
-
-
-def worker(rank, world, configs):
-    out = []
-    for cfg in configs:
-        params = [p.requires_grad_() for p in init_params(rank)]
-        opt = dlion.DistributedLion(params, lr=LR, betas=BETAS, weight_decay=WD, vote=cfg["vote"],
-                                    ties=cfg.get("ties", "zero"), comm=cfg.get("comm", "1bit"),
-                                    momentum_sync=cfg.get("momentum_sync", "none"),
-                                    aggregate=cfg.get("aggregate", "sign"), quant_norm=cfg.get("quant_norm", "l1"),
-                                    quant_bits=cfg.get("quant_bits", 8),
-                                    bucket_cap_mb=cfg.get("bucket_cap_mb", 25.0), seed=5)
-        for t in range(STEPS):
-            for p, g in zip(params, grads_for(rank, t, cfg.get("dense", False))):
-                p.grad = g
-            opt.step()
-        out.append(dict(params=[p.detach().clone() for p in params], stats=opt.comm_stats.state_dict(),
-                        layout=opt.bucket_layout() if world > 1 else None))
-    return out
+from dlion.lab.spawn import spawn
+from conftest import BETAS, LR, SHAPES, STEPS, WD, configs_worker, grads_for, init_params
 
 
 def simulate(world, cfg, layout):
@@ -109,7 +70,7 @@ CONFIGS = [
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
 def test_matches_simulated_workers_and_ranks_agree_bitwise(world):
-    results = spawn(worker, world, CONFIGS)
+    results = spawn(configs_worker, world, CONFIGS)
     for c, cfg in enumerate(CONFIGS):
         ranks = [r[c] for r in results]
         expected = simulate(world, cfg, ranks[0]["layout"])
@@ -166,7 +127,7 @@ def tapped_worker(rank, world, configs):
     for cfg in configs:
         tap = WireTap()
         try:
-            res = worker(rank, world, [cfg])[0]
+            res = configs_worker(rank, world, [cfg])[0]
         finally:
             tap.close()
         res["tap"] = (tap.sent, tap.calls)

@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 
-from dlion.experiments import main
-from dlion.experiments.runner import load_runs, run_one
-from dlion.experiments.tasks import make_task
+from dlion.lab.experiments import main
+from dlion.lab.experiments.runner import load_runs, run_one
+from dlion.lab.experiments.tasks import make_task
 
 TINY = ["--task", "mnist1d", "--methods", "glion,dgc,dlion_mavo", "--workers", "2,4", "--seeds", "0,1",
         "--steps", "2", "--quiet"]

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  torch.optim imports it lazily (~3 s); once here, not in every forked worker
 import torch.distributed as dist
 from torch import nn
 
 import dlion
-from dlion import checkpoint, faults
+from dlion import checkpoint
+from dlion.lab import faults
 from dlion.distributed import DesyncError
-from dlion.spawn import spawn
+from dlion.lab.spawn import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "resilient_train.py"
@@ -182,7 +182,7 @@ def byzantine(rank, world, data, faulty, vote, steps):
 
 
 def test_majority_vote_tolerates_two_of_five_sign_flippers():
-    from dlion.data import load_digits_split
+    from dlion.lab.data import load_digits_split
 
     accs = spawn(byzantine, 5, load_digits_split(), 2, "mavo", 100)
     assert len(set(accs)) == 1  # identical replicas, faulty ranks included
@@ -266,7 +266,7 @@ def torchrun(tmp, *extra, restarts=1):
 
 
 def reference_run(rank, world, argv):
-    """The example's training loop in processes that never fail (dlion.spawn instead of torchrun)."""
+    """The example's training loop in processes that never fail (dlion.lab.spawn instead of torchrun)."""
     spec = importlib.util.spec_from_file_location("resilient_train", EXAMPLE)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

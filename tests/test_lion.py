@@ -1,4 +1,5 @@
-"""dlion.Lion against a literal transcription of the four-line rule (papers.md §1)."""
+"""dlion.Lion against a literal transcription of the four-line rule of "Symbolic Discovery of
+Optimization Algorithms" (Chen et al. 2023, arXiv 2302.06675)."""
 
 import io
 import math

@@ -8,8 +8,8 @@ from torch import nn
 import dlion
 from dlion.distributed import DesyncError, momentum_sync_due
 from dlion.quantize import levels, quantize, scale_of
-from dlion.spawn import spawn
-from test_distributed import BETAS, LR, SHAPES, STEPS, WD, grads_for, init_params
+from dlion.lab.spawn import spawn
+from conftest import BETAS, LR, SHAPES, STEPS, WD, grads_for, init_params
 
 
 # -- quantised aggregation ----------------------------------------------------

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from dlion.simulate import SimulatedDistributedLion
-from dlion.spawn import spawn
-from test_distributed import BETAS, LR, SHAPES, STEPS, WD, grads_for, init_params, worker
+from dlion.lab.spawn import spawn
+from conftest import BETAS, LR, STEPS, WD, configs_worker, grads_for, init_params
 
 CASES = [
     dict(vote="mavo"),
@@ -32,7 +32,7 @@ def run_simulation(world, cfg):
 
 @pytest.mark.parametrize("world", [3, 4])
 def test_simulated_workers_equal_real_ranks_bitwise(world):
-    results = spawn(worker, world, CASES)
+    results = spawn(configs_worker, world, CASES)
     for c, cfg in enumerate(CASES):
         params, sim = run_simulation(world, cfg)
         for k, (got, want) in enumerate(zip(results[0][c]["params"], params)):

@@ -1,5 +1,5 @@
 import sys
 
-from dlion.cli import main
+from dlion.lab.cli import main
 
 sys.exit(main())

@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 
 from dlion.aggregation import VoteRule
-from dlion.bench.codec import parse_count
+from dlion.lab.bench.codec import parse_count
 from dlion.codec import ALIGN
 from dlion.collectives import ALGORITHMS, CommStats
-from dlion.spawn import spawn
+from dlion.lab.spawn import spawn
 
 
 def _worker(rank: int, world: int, n: int, steps: int, rules: list) -> list[dict]:

@@ -24,7 +24,7 @@ step through the collectives, ×8 / d. In an all-reduce every rank sends about
 what a parameter-server worker uploads plus downloads (an fp32 ring all-reduce
 sends 2·(N−1)/N·32 ≈ 64 bits), so this is the papers' "up + down". The
 baselines are counted in that parameter-server accounting by
-:mod:`dlion.experiments.baselines`.
+:mod:`dlion.lab.experiments.baselines`.
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..lion import Lion
-from ..simulate import SimulatedDistributedLion
+from dlion.lion import Lion
+from dlion.simulate import SimulatedDistributedLion
+
 from . import baselines as B
 from .tasks import Task, make_task
 

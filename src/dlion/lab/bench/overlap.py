@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -25,6 +24,8 @@ import time
 
 import torch
 from torch import nn
+
+from .launch import env_worker, run_cluster, run_loopback
 
 
 def build_model(width: int, depth: int) -> nn.Module:
@@ -61,19 +62,14 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> dict:
             if it >= args.warmup:
                 times[kind].append(time.perf_counter() - t)
     return {"median": {k: statistics.median(v) for k, v in times.items()},
-            "buckets": len(opts[True]._buckets), "params": opts[True].num_params,
+            "buckets": len(opts[True].buckets), "params": opts[True].num_params,
             "bytes_per_step": opts[False].comm_stats.bytes_sent / max(1, opts[False].comm_stats.steps)}
 
 
-def _env_worker(args: argparse.Namespace) -> int:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    out = worker(dist.get_rank(), dist.get_world_size(), args)
-    if dist.get_rank() == 0:
-        print("RESULT " + json.dumps(out), flush=True)
-    dist.destroy_process_group()
-    return 0
+def _rank(rank: int, world: int, args: argparse.Namespace, emit) -> None:
+    out = worker(rank, world, args)
+    if rank == 0:
+        emit(out)
 
 
 def report(out: dict, args: argparse.Namespace, where: str) -> None:
@@ -108,21 +104,18 @@ def main(argv: list[str]) -> int:
     if args.workers < 2:
         ap.error("--workers must be >= 2")
     if args.worker:
-        return _env_worker(args)
+        return env_worker(_rank, args)
     if args.loopback:
-        from dlion.spawn import spawn
-
-        report(spawn(worker, args.workers, args, timeout_s=900)[0], args, "loopback (no shaping)")
+        report(run_loopback(_rank, args.workers, args, timeout_s=900)[0][0], args, "loopback (no shaping)")
         return 0
-    from dlion.cluster import VirtualCluster, exit_code
+    from dlion.lab.cluster import exit_code
 
     cmd = [sys.executable, "-m", "dlion", "bench", "overlap", "--worker"] + [a for a in argv if a != "--worker"]
-    with VirtualCluster(args.workers, link=args.link, prefix=f"dlov{os.getpid() % 10000}") as cluster:
-        results = cluster.run(cmd, timeout=1800)
+    runs = list(run_cluster(cmd, args.workers, [args.link], prefix=f"dlov{os.getpid() % 10000}", timeout=1800))
+    _, per_rank, results = runs[0]  # one link, one run; the cluster is torn down by now
     if exit_code(results):
         for r in results:
             sys.stderr.write(f"[rank {r.rank}] exit {r.returncode}\n{r.stderr[-2000:]}\n")
         return exit_code(results)
-    line = next(ln for ln in results[0].stdout.splitlines() if ln.startswith("RESULT "))
-    report(json.loads(line[len("RESULT "):]), args, f"virtual cluster, {args.link} links")
+    report(per_rank[0][0], args, f"virtual cluster, {args.link} links")
     return 0

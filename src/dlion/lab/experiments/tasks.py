@@ -1,10 +1,10 @@
 """Tasks of the convergence sweeps: data, model, per-worker gradients, evaluation.
 
-``mnist1d``      MNIST-1D (4000 train / 1000 test) with :class:`dlion.models.CNN1D`,
+``mnist1d``      MNIST-1D (4000 train / 1000 test) with :class:`dlion.lab.models.CNN1D`,
                  local batch 32; metric: test accuracy.
-``digits``       scikit-learn digits (1437 / 360) with :class:`dlion.models.DigitsCNN`,
+``digits``       scikit-learn digits (1437 / 360) with :class:`dlion.lab.models.DigitsCNN`,
                  local batch 32; metric: test accuracy.
-``shakespeare``  character-level :class:`dlion.models.CharGPT` (2 layers, 4 heads,
+``shakespeare``  character-level :class:`dlion.lab.models.CharGPT` (2 layers, 4 heads,
                  width 32, context 32) on the Shakespeare corpus, local batch 4
                  windows of 32 characters; metric: validation loss (nats/char).
 
@@ -16,7 +16,7 @@ these sweeps (two shared CPU cores) could not pay for the papers' fixed-epoch
 protocol at N = 32 with a useful number of steps.
 
 Data parallelism: worker i of N gets its own disjoint shard. For the image
-tasks it is :func:`dlion.data.shard` of a per-epoch seeded permutation (like
+tasks it is :func:`dlion.lab.data.shard` of a per-epoch seeded permutation (like
 ``DistributedSampler``), cut into local batches; for Shakespeare the training
 stream is cut into chunks of 4096 characters and chunk j belongs to worker
 j mod N (every worker sees every play, no two workers share text), from which

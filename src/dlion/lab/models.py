@@ -43,7 +43,7 @@ class DigitsCNN(nn.Module):
     channels) and two 2x2 max-pools (8x8 -> 4x4 -> 2x2), then a linear
     classifier. About 58 k parameters at the default ``width=32``. With batch
     size 32, five epochs of Adam (lr 3e-3) or Lion (lr 1e-3) reach about 97 %
-    test accuracy on the split of :func:`dlion.data.load_digits_split`.
+    test accuracy on the split of :func:`dlion.lab.data.load_digits_split`.
 
     Input: float tensor of shape ``(N, 1, 8, 8)`` or ``(N, 64)``.
     Output: logits of shape ``(N, num_classes)``.

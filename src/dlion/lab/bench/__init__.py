@@ -18,4 +18,4 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHMARKS:
         print(__doc__.strip(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    return int(importlib.import_module(f"dlion.bench.{argv[0]}").main(argv[1:]) or 0)
+    return int(importlib.import_module(f"dlion.lab.bench.{argv[0]}").main(argv[1:]) or 0)

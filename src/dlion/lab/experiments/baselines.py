@@ -1,4 +1,6 @@
-"""Gradient-aggregation baselines for the convergence sweeps (papers.md §2, §4).
+"""Gradient-aggregation baselines for the convergence sweeps: those that "Communication
+Efficient Distributed Training with Distributed Lion" (Liu et al. 2024, arXiv 2404.00438)
+compares Distributed Lion with.
 
 Every baseline here is an *aggregation rule on gradients*: it takes the N
 workers' gradients of one step, stacked per parameter as tensors of shape

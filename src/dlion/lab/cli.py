@@ -7,10 +7,10 @@ import sys
 
 # subcommand -> (module, help)
 COMMANDS = {
-    "demo": ("dlion.demo", "train a classifier on 4 local workers with G-Lion, D-Lion MaVo and D-Lion Avg"),
-    "bench": ("dlion.bench", "benchmarks: codec, comm, overlap, e2e"),
-    "cluster": ("dlion.cluster", "run a command on a virtual cluster of network namespaces with shaped links"),
-    "experiment": ("dlion.experiments", "convergence sweeps on real data (simulated workers)"),
+    "demo": ("dlion.lab.demo", "train a classifier on 4 local workers with G-Lion, D-Lion MaVo and D-Lion Avg"),
+    "bench": ("dlion.lab.bench", "benchmarks: codec, comm, overlap, e2e"),
+    "cluster": ("dlion.lab.cluster", "run a command on a virtual cluster of network namespaces with shaped links"),
+    "experiment": ("dlion.lab.experiments", "convergence sweeps on real data (simulated workers)"),
 }
 
 

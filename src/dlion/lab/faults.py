@@ -10,7 +10,8 @@ it returns is what the other ranks see. Give a hook to the faulty ranks only::
 
 * :func:`sign_flip` — sends −δ: the strongest non-colluding attack on a vote
   (signSGD with majority vote tolerates it while fewer than half the workers
-  flip, Bernstein et al. 2019, papers.md §4).
+  flip: "signSGD with Majority Vote is Communication Efficient and Fault
+  Tolerant", Bernstein et al. 2019, arXiv 1810.05291).
 * :func:`random_signs` — sends uniform random ±1 (a worker whose gradients are garbage).
 * :func:`stuck_at_zero` — sends 0 everywhere: the worker abstains (a dead
   sensor, or a worker with no data); under the zero policy it simply does not vote.

@@ -1,7 +1,7 @@
 """``dlion demo``: G-Lion vs D-Lion (MaVo, Avg) on N local workers.
 
 Starts N worker processes on this machine, joined in a Gloo process group over
-loopback (:func:`dlion.spawn.spawn`), and trains the same small CNN on
+loopback (:func:`dlion.lab.spawn.spawn`), and trains the same small CNN on
 scikit-learn's 8x8 digits three times, one optimizer after the other:
 
 1. **G-Lion**: the model wrapped in ``DistributedDataParallel`` (fp32 gradient
@@ -75,9 +75,10 @@ def _checksum(params) -> torch.Tensor:
 
 
 def _train_one(rank, world, method, data, cfg):
+    from dlion.distributed import DistributedLion
+    from dlion.lion import Lion
+
     from .data import shard
-    from .distributed import DistributedLion
-    from .lion import Lion
     from .models import DigitsCNN
 
     kind, vote, lr, wd = METHODS[method]

@@ -1,0 +1,160 @@
+"""``dlion bench e2e``: end-to-end time per training step on an emulated slow network.
+
+Every method trains the same workload — a character-level GPT (:class:`dlion.lab.models.CharGPT`)
+on Shakespeare, each rank on its own random windows — for ``--warmup`` + ``--steps`` steps,
+on ``--workers`` ranks, at each link rate of ``--link``:
+
+references and peers (DistributedDataParallel: bucketed all-reduce overlapped with backward)
+  ``compute``              DDP with a no-op hook (no communication) + Lion: the lower bound
+  ``sync-only``            DDP whose hook all-reduces one value per bucket: synchronisation without
+                           payload, i.e. what ranks waiting for each other costs on this machine
+  ``g-adamw``              DDP + torch.optim.AdamW
+  ``g-lion``               DDP + dlion.Lion (the reference for speedups)
+  ``g-lion-bf16``          DDP with ``bf16_compress_hook`` + Lion
+  ``g-{lion,adamw}-powersgd{1,2,4}``  DDP with ``powerSGD_hook`` (that rank, error feedback, warm start)
+                           + Lion / AdamW, in one bucket (see docs/benchmarks.md: why not overlapped on Gloo)
+ours (dlion.DistributedLion, no DDP)
+  ``d-{mavo,avg}-{allgather,1bit,pbit}[-ov]`` and ``d-mavo-quant[-ov]``
+  (``comm=`` algorithm; ``quant`` = ``aggregate="quantized"``; ``-ov`` = ``overlap=True``)
+
+Groups for ``--methods``: ``all``, ``baselines``, ``peers``, ``powersgd``, ``dlion``, ``mavo``, ``avg``,
+``overlap``.
+
+A step is timed on every rank as the wall time from ``zero_grad`` through
+``optimizer.step()`` (forward, backward and all communication), with no barrier
+inside the timed region; the figure reported is the median over all ranks' steps
+after the warm-up. All methods are built first and then take turns step by step
+(the order rotating every round, an untimed barrier before each step), so that
+they all see the same machine load; ``--sequential`` runs them one after another
+instead (less memory). After the measured steps, each D-Lion method runs a few
+more steps under ``torch.profiler``, and the time inside the library's ranges
+(``dlion.contribute``, ``dlion.exchange``, ``dlion.apply``) is reported.
+
+Bytes are per rank per step, sent (received is the same for every collective
+used): DistributedLion's ``comm_stats``; for DDP, every tensor that the comm hook
+hands to ``torch.distributed.all_reduce`` (PowerSGD's P and Q matrices and its
+uncompressed vectors included), counted as a ring all-reduce, 2(N−1)/N × bytes.
+
+Each link rate is one run of the N ranks in a virtual cluster (``dlion cluster``:
+one network namespace per rank, tbf-shaped full-duplex links; root needed). ``--loopback`` runs the ranks on 127.0.0.1
+without shaping instead (no root needed).
+
+Output: a table per link rate, ``e2e_results.json``, ``e2e_table.txt`` and
+``e2e_step_time.png`` (step time against link rate) in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Optional
+
+from .instrument import Instrument
+from .launch import _env_worker, _run_cluster, _run_loopback, make_batches, run_methods
+from .methods import BASELINES, DLION, GROUPS, LABELS, METHODS, POWERSGD_START_ITER, MethodRun, label, parse_methods
+from .report import _report, headline, plot, profile_lines, summarize, table
+
+# The package: methods (names, groups, labels, one method on one rank), instrument (byte
+# counting of the DDP hooks' traffic), launch (the per-rank loop; loopback and virtual-cluster
+# runs), report (summaries, tables, headline, plot, JSON); main() below drives them.
+
+__all__ = ["main", "parse_methods", "label", "METHODS", "BASELINES", "DLION", "GROUPS", "LABELS", "MethodRun",
+           "Instrument", "run_methods", "make_batches", "summarize", "table", "headline", "profile_lines", "plot"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="dlion bench e2e", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=4, help="ranks (default 4)")
+    ap.add_argument("--link", default="50mbit,100mbit,300mbit,1gbit",
+                    help="link rates to sweep, comma separated (default 50mbit,100mbit,300mbit,1gbit)")
+    ap.add_argument("--loopback", action="store_true",
+                    help="plain 127.0.0.1, no namespaces, no shaping (no root needed); --link is ignored")
+    ap.add_argument("--methods", default="all", help=f"comma list of methods or groups ({', '.join(GROUPS)}); "
+                                                       "default all")
+    ap.add_argument("--steps", type=int, default=10, help="measured steps per method (default 10)")
+    ap.add_argument("--warmup", type=int, default=3, help="unmeasured steps first (default 3)")
+    ap.add_argument("--n-layer", type=int, default=6)
+    ap.add_argument("--n-embd", type=int, default=256)
+    ap.add_argument("--n-head", type=int, default=None, help="default n_embd/64")
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=4, help="sequences per rank per step (default 4)")
+    ap.add_argument("--bucket-mb", type=float, default=6.0,
+                    help="bucket cap (MB of fp32 gradients) for DDP and DistributedLion alike (default 6: "
+                         "4 buckets for the default model, so that overlap has something to overlap)")
+    ap.add_argument("--quant-bits", type=int, default=8, help="field width of d-mavo-quant (default 8)")
+    ap.add_argument("--lr", type=float, default=1e-4, help="Lion lr (AdamW gets 10×, its wd /10)")
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--synthetic", action="store_true", help="random tokens instead of Shakespeare")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per link rate (default 1800)")
+    ap.add_argument("--prefix", default=None, help="virtual cluster namespace prefix (default dle<pid>)")
+    ap.add_argument("--out", default=os.path.join("runs", "bench-e2e"),
+                    help="directory for e2e_results.json, e2e_table.txt, e2e_step_time.png (default runs/bench-e2e)")
+    ap.add_argument("--ties", default="zero", choices=("zero", "random"),
+                    help="D-Lion tie rule (default zero; random makes MaVo's way back 1 bit for even N)")
+    ap.add_argument("--sequential", action="store_true",
+                    help="run the methods one after another (less memory) instead of taking turns step by step")
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
+    if args.worker is not None:
+        return _env_worker(json.loads(args.worker))
+    if args.workers < 2:
+        ap.error("--workers must be >= 2")
+    if args.steps < 1 or args.warmup < 0:
+        ap.error("--steps must be >= 1 and --warmup >= 0")
+    try:
+        methods = parse_methods(args.methods)
+    except ValueError as e:
+        ap.error(str(e))
+    if any("powersgd" in m for m in methods) and args.warmup < POWERSGD_START_ITER:
+        print(f"note: PowerSGD compresses from step {POWERSGD_START_ITER + 1}; with --warmup {args.warmup} "
+              "some measured steps of the PowerSGD methods are uncompressed", file=sys.stderr)
+    rounds = args.warmup + args.steps
+    n_head = args.n_head or max(1, args.n_embd // 64)
+    if args.n_embd % n_head:
+        ap.error(f"--n-head {n_head} must divide --n-embd {args.n_embd}")
+    cfg = {"n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": n_head, "block_size": args.block_size,
+           "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup, "bucket_mb": args.bucket_mb,
+           "quant_bits": args.quant_bits, "lr": args.lr,
+           "weight_decay": args.weight_decay, "seed": args.seed, "synthetic": args.synthetic,
+           "ties": args.ties, "timeout": args.timeout, "sequential": args.sequential, "methods": methods}
+    if args.loopback:
+        links = [("loopback", None)]
+    else:
+        from dlion.lab.cluster import parse_rate
+
+        try:
+            links = [(t.strip(), parse_rate(t.strip())) for t in args.link.split(",") if t.strip()]
+        except ValueError as e:
+            ap.error(str(e))
+        if not links:
+            ap.error("--link: no rate given")
+    try:
+        from tqdm import tqdm
+    except ImportError:  # progress is optional
+        tqdm = None
+    bar = None if (tqdm is None or args.no_progress) else tqdm(total=len(methods) * len(links) * rounds,
+                                                                unit="step",
+                                                                desc="bench e2e", file=sys.stderr)
+    raw: dict = {}  # link -> method -> [per-rank dicts]
+    failed: Optional[str] = None
+    t_start = time.time()
+    try:
+        if args.loopback:
+            failed = _run_loopback(args, cfg, raw, bar)
+        else:
+            failed = _run_cluster(args, cfg, links, raw, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    return _report(args, cfg, methods, links, raw, failed, time.time() - t_start, argv)

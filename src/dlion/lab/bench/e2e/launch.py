@@ -1,0 +1,146 @@
+"""Running ``dlion bench e2e``'s ranks: the per-rank loop that steps every method, and
+launching it on loopback (forked local ranks) or on the virtual cluster (one process per
+rank, one run per link rate) with the benchmarks' shared launcher (:mod:`dlion.lab.bench.launch`)."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import sys
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..launch import env_worker, run_cluster, run_loopback
+from .instrument import Instrument
+from .methods import MethodRun
+
+
+def make_batches(train_ids, cfg: dict, rank: int) -> list:
+    from dlion.lab.data import char_batches
+
+    g = torch.Generator().manual_seed(1000 * cfg["seed"] + rank)
+    return [char_batches(train_ids, cfg["block_size"], cfg["batch_size"], g)
+            for _ in range(cfg["warmup"] + cfg["steps"])]
+
+
+def run_methods(rank: int, world: int, cfg: dict, train_ids, vocab_size: int,
+                emit: Callable[[dict], None]) -> None:
+    """Train every method of ``cfg["methods"]`` on this rank; ``emit`` gets a ``{"tick": 1}``
+    per step (rank 0) and one result dict per method.
+
+    Interleaved (default): all methods are built first, then take turns step by step (the
+    order rotating every round) with an untimed barrier before each step, so that every
+    method sees the same machine load. Sequential: one method after another, no barriers."""
+    torch.set_num_threads(1)
+    inst = Instrument()
+    inst.install()
+    methods, rounds = cfg["methods"], cfg["warmup"] + cfg["steps"]
+    try:
+        batches = make_batches(train_ids, cfg, rank)
+        if cfg["sequential"]:
+            for m in methods:
+                run = MethodRun(m, rank, cfg, vocab_size, inst)
+                dist.barrier()
+                for it, (x, y) in enumerate(batches):
+                    run.step(x, y, it >= cfg["warmup"])
+                    if rank == 0:
+                        emit({"tick": 1})
+                run.profile(batches[:cfg.get("profile_steps", 3)])
+                emit(run.result())
+                del run
+                gc.collect()  # free this method's model, DDP reducer and optimizer before the next
+            return
+        runs = [MethodRun(m, rank, cfg, vocab_size, inst) for m in methods]
+        for it, (x, y) in enumerate(batches):
+            k = it % len(runs)
+            for run in runs[k:] + runs[:k]:
+                dist.barrier()
+                run.step(x, y, it >= cfg["warmup"])
+                if rank == 0:
+                    emit({"tick": 1})
+        dist.barrier()
+        for run in runs:  # every rank profiles the methods in the same order (D-Lion's steps are collective)
+            run.profile(batches[:cfg.get("profile_steps", 3)])
+        for run in runs:
+            emit(run.result())
+    finally:
+        inst.uninstall()
+
+
+def _load_data(cfg: dict):
+    if cfg.get("synthetic"):
+        g = torch.Generator().manual_seed(0)
+        return torch.randint(0, 84, (200_000,), generator=g), 84
+    from dlion.lab.data import load_shakespeare
+
+    train_ids, _, vocab = load_shakespeare()
+    return train_ids, len(vocab)
+
+
+def _cluster_rank(rank: int, world: int, cfg: dict, emit: Callable[[dict], None]) -> None:
+    train_ids, vocab_size = _load_data(cfg)
+    run_methods(rank, world, cfg, train_ids, vocab_size, emit)
+
+
+def _env_worker(cfg: dict) -> int:
+    """One rank inside the virtual cluster (env:// rendezvous): prints a TICK line per step
+    (rank 0) and a RESULT line with JSON per method."""
+    return env_worker(_cluster_rank, cfg, timeout_s=cfg["timeout"])
+
+
+def _by_method(per_rank: list[list[dict]]) -> dict:
+    """Every rank's result dicts, grouped by method: method -> [per-rank dicts]."""
+    got: dict = {}
+    for results in per_rank:
+        for d in results:
+            got.setdefault(d["method"], []).append(d)
+    return got
+
+
+def _run_loopback(args, cfg: dict, raw: dict, bar) -> Optional[str]:
+    # Imported once here so that the forked ranks inherit them: DDP's hooks and the torch._dynamo
+    # that DDP's constructor imports take seconds to import.
+    import torch._dynamo  # noqa: F401
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook  # noqa: F401
+    from torch.nn.parallel import DistributedDataParallel  # noqa: F401
+
+    import dlion.distributed  # noqa: F401
+
+    train_ids, vocab_size = _load_data(cfg)
+    if bar is not None:
+        bar.set_postfix_str("loopback")
+    per_rank = run_loopback(run_methods, args.workers, cfg, train_ids, vocab_size, timeout_s=args.timeout,
+                            on_tick=None if bar is None else lambda: bar.update(1))
+    raw["loopback"] = _by_method(per_rank)
+    return None
+
+
+def _run_cluster(args, cfg: dict, links: list, raw: dict, bar) -> Optional[str]:
+    from dlion.lab.cluster import ClusterError, RootRequiredError, exit_code
+
+    prefix = args.prefix or f"dle{os.getpid() % 100000}"
+    cmd = [sys.executable, "-m", "dlion.lab.bench.e2e", "--worker", json.dumps(cfg)]
+    try:
+        with contextlib.closing(run_cluster(cmd, args.workers, [link for link, _ in links], prefix=prefix,
+                                            timeout=args.timeout,
+                                            on_tick=None if bar is None else lambda: bar.update(1),
+                                            on_link=None if bar is None else bar.set_postfix_str)) as runs:
+            for link, per_rank, results in runs:
+                raw[link] = _by_method(per_rank)
+                if exit_code(results):
+                    for r in results:
+                        if not r.ok:
+                            sys.stderr.write(f"[rank {r.rank}] exit {r.returncode}"
+                                             f"{' (timed out)' if r.timed_out else ''}\n{r.stderr[-3000:]}\n")
+                    return f"link {link}: exit {exit_code(results)}"
+    except RootRequiredError as e:
+        print(f"dlion bench e2e: {e}\nUse --loopback to run without namespaces and shaping.", file=sys.stderr)
+        return "no root"
+    except ClusterError as e:
+        print(f"dlion bench e2e: {e}", file=sys.stderr)
+        return str(e)
+    return None

@@ -1,0 +1,222 @@
+"""The methods of ``dlion bench e2e``: names, groups and labels, and one method's model,
+optimizer and DDP comm hook on one rank (:class:`MethodRun`)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from .instrument import Instrument
+
+POWERSGD = tuple(f"g-{opt}-powersgd{r}" for opt in ("lion", "adamw") for r in (1, 2, 4))
+BASELINES = ("compute", "sync-only", "g-adamw", "g-lion", "g-lion-bf16") + POWERSGD
+DLION = tuple(f"d-{vote}-{comm}{ov}" for vote in ("mavo", "avg") for comm in ("allgather", "1bit", "pbit")
+              for ov in ("", "-ov")) + ("d-mavo-quant", "d-mavo-quant-ov")
+METHODS = BASELINES + DLION
+GROUPS = {
+    "all": METHODS,
+    "baselines": BASELINES,
+    "peers": ("compute", "sync-only", "g-lion", "g-lion-bf16") + POWERSGD,
+    "powersgd": POWERSGD,
+    "dlion": DLION,
+    "mavo": tuple(m for m in DLION if m.startswith("d-mavo")),
+    "avg": tuple(m for m in DLION if m.startswith("d-avg")),
+    "overlap": tuple(m for m in DLION if m.endswith("-ov")),
+}
+LABELS = {"compute": "compute only (no comm)", "sync-only": "sync only (1 value per bucket)",
+          "g-adamw": "G-AdamW (DDP fp32)", "g-lion": "G-Lion (DDP fp32)", "g-lion-bf16": "G-Lion (DDP bf16 hook)",
+          **{m: f"G-{'Lion' if 'lion' in m else 'AdamW'} (DDP PowerSGD rank {m[-1]})" for m in POWERSGD}}
+POWERSGD_START_ITER = 2  # PowerSGD needs >= 2 uncompressed iterations (DDP rebuilds buckets after the first)
+POWERSGD_BUCKET_MB = 1 << 16  # one bucket for PowerSGD (see MethodRun)
+PROFILE_RANGES = ("dlion.contribute", "dlion.exchange", "dlion.apply")
+
+
+def label(method: str) -> str:
+    if method in LABELS:
+        return LABELS[method]
+    parts = method.split("-")
+    vote, comm, ov = parts[1], parts[2], len(parts) > 3
+    comm = {"quant": "quantized int8", "allgather": "allgather (naive)"}.get(comm, comm)
+    return f"D-Lion {'MaVo' if vote == 'mavo' else 'Avg'} {comm}{' +overlap' if ov else ''}"
+
+
+def parse_methods(text: str) -> list[str]:
+    out: list[str] = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        names = GROUPS.get(item, (item,))
+        for n in names:
+            if n not in METHODS:
+                raise ValueError(f"unknown method {n!r}; choose from {', '.join(METHODS)} "
+                                 f"or the groups {', '.join(GROUPS)}")
+            if n not in out:
+                out.append(n)
+    if not out:
+        raise ValueError("no methods given")
+    return out
+
+
+def _noop_hook(state, bucket):
+    """No communication: hand DDP its own local gradient back as a completed future."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def _sync_only_hook(state, bucket):
+    """Synchronisation without payload: one all-reduce of one element per bucket, the local
+    gradient handed back. Shows what ranks waiting for each other costs on this machine."""
+    buf = bucket.buffer()
+    fut = torch.distributed.all_reduce(buf[:1].clone(), async_op=True).get_future()
+    return fut.then(lambda _: buf)
+
+
+def _counting(inner: Callable, tally: dict) -> Callable:
+    """Wrap a DDP comm hook: tally the fp32 bucket bytes it is handed (the traffic it
+    then sends is counted by :class:`Instrument` at ``all_reduce``)."""
+    def hook(state, bucket):
+        buf = bucket.buffer()
+        tally["buckets"] += 1
+        tally["bucket_bytes"] += buf.numel() * buf.element_size()
+        return inner(state, bucket)
+    return hook
+
+
+def _build_model(cfg: dict, vocab_size: int):
+    from dlion.lab.models import CharGPT
+
+    torch.manual_seed(cfg["seed"])  # identical on every rank: no initial broadcast needed
+    return CharGPT(vocab_size, block_size=cfg["block_size"], n_layer=cfg["n_layer"],
+                   n_head=cfg["n_head"], n_embd=cfg["n_embd"])
+
+
+def _dlion_class():
+    from dlion import DistributedLion
+
+    class SeededDistributedLion(DistributedLion):
+        """Every rank builds the model from the same seed, so rank 0's parameter broadcast
+        (seconds of set-up on a slow link) is skipped; check_replicas() verifies it."""
+
+        def _broadcast_parameters(self) -> None:
+            pass
+
+    return SeededDistributedLion
+
+
+class MethodRun:
+    """One method's model and optimizer on one rank, stepped by the driver loop."""
+
+    def __init__(self, method: str, rank: int, cfg: dict, vocab_size: int, inst: Instrument):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        import dlion
+
+        self.method, self.rank, self.inst = method, rank, inst
+        self.model = model = _build_model(cfg, vocab_size)
+        self.params = sum(p.numel() for p in model.parameters())
+        lr, betas, wd = cfg["lr"], (0.9, 0.99), cfg["weight_decay"]
+        self.tally = {"buckets": 0, "bucket_bytes": 0}
+        self.is_ddp = method in BASELINES
+        if self.is_ddp:
+            # gradient_as_bucket_view: no copy between gradients and buckets (DDP's fastest setting).
+            # PowerSGD gets a single bucket: its hook issues collectives from completion callbacks, so
+            # with several buckets in flight the ranks issue them in different orders, which Gloo
+            # (matching collectives by issue order) aborts on ("Received data size doesn't match").
+            cap = POWERSGD_BUCKET_MB if method in POWERSGD else cfg["bucket_mb"]
+            self.net = DDP(model, init_sync=False, bucket_cap_mb=cap, gradient_as_bucket_view=True)
+            if method == "compute":
+                hook, state = _noop_hook, None
+            elif method == "sync-only":
+                hook, state = _sync_only_hook, None
+            elif method == "g-lion-bf16":
+                hook, state = default_hooks.bf16_compress_hook, None
+            elif method in POWERSGD:  # error feedback and warm start: PowerSGDState's defaults
+                hook = powerSGD_hook.powerSGD_hook
+                state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=int(method[-1]),
+                                                    start_powerSGD_iter=POWERSGD_START_ITER,
+                                                    use_error_feedback=True, warm_start=True,
+                                                    random_seed=cfg["seed"])
+            else:
+                hook, state = default_hooks.allreduce_hook, None
+            self.net.register_comm_hook(state, _counting(hook, self.tally))
+            if method.startswith("g-adamw"):
+                self.opt = torch.optim.AdamW(model.parameters(), lr=10 * lr, weight_decay=wd / 10)
+            else:
+                self.opt = dlion.Lion(model.parameters(), lr=lr, betas=betas, weight_decay=wd)
+        else:
+            _, vote, comm, *rest = method.split("-")
+            quant = comm == "quant"
+            self.net = model
+            self.opt = _dlion_class()(
+                model.parameters(), lr=lr, betas=betas, weight_decay=wd, vote=vote, ties=cfg["ties"],
+                comm="1bit" if quant else comm, aggregate="quantized" if quant else "sign",
+                quant_bits=cfg["quant_bits"], overlap=bool(rest), bucket_cap_mb=cfg["bucket_mb"])
+            self.opt.check_replicas()
+        self.step_s: list[float] = []
+        self.fwd_bwd_s: list[float] = []
+        self.losses: list[float] = []
+        self._start: Optional[tuple] = None
+
+    def step(self, x, y, measure: bool) -> None:
+        inst = self.inst
+        if measure and self._start is None:  # first measured step: bytes and profile from here on
+            self._start = ((self.opt.comm_stats.bytes_sent, self.opt.comm_stats.bytes_received)
+                           if not self.is_ddp else None, dict(self.tally))
+        inst.count = self.is_ddp
+        inst.current = self.method if measure else None
+        try:
+            t0 = time.perf_counter()
+            self.opt.zero_grad(set_to_none=True)
+            _, loss = self.net(x, y)
+            loss.backward()
+            t1 = time.perf_counter()
+            self.opt.step()
+            t2 = time.perf_counter()
+        finally:
+            inst.current = None
+        if measure:
+            self.step_s.append(t2 - t0)
+            self.fwd_bwd_s.append(t1 - t0)
+        self.losses.append(float(loss.detach()))
+
+    def profile(self, batches: list) -> None:
+        """D-Lion only: a few more (untimed) steps under ``torch.profiler``; the milliseconds per
+        step inside the library's ranges (CPU time on the thread that records them: with
+        overlap, ``dlion.contribute`` runs inside backward's gradient hooks)."""
+        self.profile_ms = {}
+        if self.is_ddp:
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for x, y in batches:
+                self.step(x, y, measure=False)
+        for ev in prof.key_averages():
+            if ev.key in PROFILE_RANGES:
+                self.profile_ms[ev.key] = ev.cpu_time_total / 1e3 / len(batches)
+
+    def result(self) -> dict:
+        steps = len(self.step_s)
+        inst, m = self.inst, self.method
+        if self.is_ddp:
+            sent = received = inst.bytes_sent.get(m, 0.0) / steps
+            t0 = self._start[1]
+            extra = {"all_reduce_calls_per_step": inst.all_reduce_calls.get(m, 0) / steps,
+                     "buckets_per_step": (self.tally["buckets"] - t0["buckets"]) / steps,
+                     "bucket_bytes_per_step": (self.tally["bucket_bytes"] - t0["bucket_bytes"]) / steps}
+        else:
+            b0 = self._start[0]
+            sent = (self.opt.comm_stats.bytes_sent - b0[0]) / steps
+            received = (self.opt.comm_stats.bytes_received - b0[1]) / steps
+            extra = {"buckets": len(self.opt.buckets),
+                     "algorithms": sorted({a.name for a in self.opt._algorithms}),
+                     "profile_ms_per_step": self.profile_ms}
+            self.opt.check_replicas()  # the replicas must still be bitwise identical
+        return {"method": m, "rank": self.rank, "params": self.params, "step_s": self.step_s,
+                "fwd_bwd_s": self.fwd_bwd_s, "bytes_sent_per_step": sent, "bytes_received_per_step": received,
+                "loss_first": self.losses[0], "loss_last": self.losses[-1], **extra}
