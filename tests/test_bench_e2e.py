@@ -56,6 +56,9 @@ def test_e2e_loopback_smoke(tmp_path, capsys, mode):
     assert rows["sync-only"]["bytes_sent_per_rank_per_step"] == pytest.approx(4 * rows["sync-only"]["buckets_per_step"])
     # PowerSGD rank 2 sends less than fp32 (P and Q matrices plus the uncompressed 1-D tensors, many here)
     assert 0 < rows["g-lion-powersgd2"]["bytes_sent_per_rank_per_step"] < rows["g-lion"]["bytes_sent_per_rank_per_step"] / 2
+    # D-Lion MaVo, N = 2, ties zero: 1 bit up, at most base-3 (1.6 bits) back, (N-1)/N each, plus headers
+    d = rows["d-mavo-1bit-ov"]
+    assert (1 + 1) / 2 * n / 8 <= d["bytes_sent_per_rank_per_step"] <= 1.05 * (1 + 1.6) / 2 * n / 8 + 2 * 64 * 2 * 8
     prof = rows["d-mavo-1bit-ov"]["profile_ms_per_step"]
     assert set(prof) <= {"dlion.contribute", "dlion.exchange", "dlion.apply"} and prof["dlion.apply"] > 0
     head = doc["headline"]["loopback"]

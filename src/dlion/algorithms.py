@@ -46,6 +46,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Generator, Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -99,6 +100,9 @@ def zero_runs(values: Tensor, rows: int, numel: int) -> tuple[Tensor, Tensor, Te
     """Runs of 0 in values[:numel] (values viewed as ``rows`` equal rows, a run never
     crossing a row): (row, start, end) int64 tensors, start/end relative to the row."""
     width = values.numel() // rows
+    if not _has_zeros(values[:numel]):
+        empty = torch.zeros(0, dtype=torch.int64, device=values.device)
+        return empty, empty, empty
     z = values == 0
     if numel < values.numel():
         z[numel:] = False
@@ -107,6 +111,12 @@ def zero_runs(values: Tensor, rows: int, numel: int) -> tuple[Tensor, Tensor, Te
     starts = (edge == 1).nonzero()
     ends = (edge == -1).nonzero()
     return starts[:, 0], starts[:, 1], ends[:, 1]
+
+
+def _has_zeros(values: Tensor) -> bool:
+    if values.device.type == "cpu":
+        return int(np.count_nonzero(values.numpy())) < values.numel()
+    return not bool(values.all())
 
 
 def runs_mask(rows: Tensor, starts: Tensor, ends: Tensor, shape: tuple[int, int]) -> Tensor:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -98,18 +99,42 @@ def layout_buckets(params: list[Tensor], groups: list[dict], world: int, cap_mb:
 
 
 class RankBuffers:
-    """One rank's flat buffers for one bucket (the simulator keeps N of these)."""
+    """One rank's flat buffers for one bucket (the simulator keeps N of these): momentum,
+    gradient, the int8 contribution and ``work`` (c while contributing, Δ while applying)."""
 
     def __init__(self, b: Bucket):
         self.momentum = b.flat()
         self.grad = b.flat()
+        self.work = b.flat()
         self.values = torch.zeros(b.padded, dtype=torch.int8, device=b.device)
         self.grad_views = b.views(self.grad)
         self.momentum_views = b.views(self.momentum)
 
 
-def contribute(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], *, beta1: float, maximize: bool,
-               quant: Optional[tuple[int, str]] = None) -> tuple[Tensor, list[bool], bool]:
+class Scratch:
+    """Temporaries shared by every bucket (one per device and dtype, as long as the largest
+    bucket): the step's elementwise products are written here instead of new allocations."""
+
+    def __init__(self):
+        self._bufs: dict = {}
+
+    def get(self, like: Tensor) -> Tensor:
+        key = (like.device, like.dtype)
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < like.numel():
+            buf = self._bufs[key] = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
+        return buf[:like.numel()].view_as(like)
+
+
+def has_zeros(values: Tensor) -> bool:
+    """Whether an int8 tensor holds a 0 (numpy's count on the CPU: ~20× faster than (v == 0).any())."""
+    if values.device.type == "cpu":
+        return int(np.count_nonzero(values.numpy())) < values.numel()
+    return not bool(values.all())
+
+
+def contribute(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], scratch: Scratch, *, beta1: float,
+               maximize: bool, quant: Optional[tuple[int, str]] = None) -> tuple[Tensor, list[bool], bool]:
     """This rank's int8 contribution for bucket ``b`` from its gradients (None = no gradient):
     c = β1·m + (1 − β1)·g per coordinate; δ = sign(c) (or q = quantize(c) per parameter with
     ``quant = (levels, norm)``); coordinates of parameters without a gradient abstain (0).
@@ -131,11 +156,13 @@ def contribute(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], *, be
     g = buf.grad
     if maximize:
         g.neg_()
-    c = torch.mul(buf.momentum, beta1).add_(torch.mul(g, 1.0 - beta1))
+    # c = β1·m + (1 − β1)·g, each product rounded on its own (the literal rule), without allocations
+    c = torch.mul(buf.momentum, beta1, out=buf.work)
+    c.add_(torch.mul(g, 1.0 - beta1, out=scratch.get(g)))
     finite = _all_finite(c)
     out = values[:b.numel]
-    if quant is None:  # sign(c) as int8 without a float temporary: [c > 0] − [c < 0]
-        torch.sub((c > 0).view(torch.int8), (c < 0).view(torch.int8), out=out)
+    if quant is None:
+        out.copy_(torch.sign(c, out=scratch.get(c)))  # sign(0) = 0: an abstention
     else:
         levels, norm = quant
         for j, (o, n) in enumerate(zip(b.offsets, b.sizes)):
@@ -148,14 +175,24 @@ def contribute(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], *, be
     return values, present, finite
 
 
-def update_momentum(b: Bucket, buf: RankBuffers, present: list[bool], beta2: float) -> None:
+def update_momentum(b: Bucket, buf: RankBuffers, present: list[bool], beta2: float, scratch: Scratch) -> None:
     """m ← β2·m + (1 − β2)·g on the coordinates of parameters this rank had gradients for."""
-    if all(present):
-        buf.momentum.mul_(beta2).add_(torch.mul(buf.grad, 1.0 - beta2))
-        return
-    for lo, hi in b.ranges(present):
-        m = buf.momentum[lo:hi]
-        m.mul_(beta2).add_(torch.mul(buf.grad[lo:hi], 1.0 - beta2))
+    spans = [(0, b.numel)] if all(present) else b.ranges(present)
+    for lo, hi in spans:
+        m, g = buf.momentum[lo:hi], buf.grad[lo:hi]
+        m.mul_(beta2).add_(torch.mul(g, 1.0 - beta2, out=scratch.get(g)))
+
+
+def apply_delta(params: list[Tensor], deltas: list[Tensor], lr: float, weight_decay: float, scratch: Scratch) -> None:
+    """x ← x·(1 − η·λ); x ← x − η·Δ on flat slices, in fp32 for low-precision parameters
+    (the same two roundings as :func:`dlion.lion.apply_update`)."""
+    for p, d in zip(params, deltas):
+        w = p.float() if p.dtype in _LOW_PRECISION else p
+        if weight_decay != 0.0:
+            w.mul_(1.0 - lr * weight_decay)
+        w.sub_(torch.mul(d, lr, out=scratch.get(d)))
+        if w is not p:
+            p.copy_(w)
 
 
 def _all_finite(c: Tensor) -> bool:
@@ -163,4 +200,4 @@ def _all_finite(c: Tensor) -> bool:
     return bool(torch.isfinite(torch.stack(torch.aminmax(c.reshape(-1)))).all()) if c.numel() else True
 
 
-__all__ += ["RankBuffers", "contribute", "update_momentum", "Contribution"]
+__all__ += ["RankBuffers", "Scratch", "contribute", "update_momentum", "apply_delta", "has_zeros", "Contribution"]

@@ -46,9 +46,9 @@ from torch.profiler import record_function
 
 from .aggregation import VoteRule, coin_key
 from .algorithms import ALGORITHMS, BAD, NONFINITE, Contribution, Outcome, WireState, choose_algorithm, make_algorithm
-from .buckets import Bucket, RankBuffers, contribute, layout_buckets, update_momentum, work_dtype
+from .buckets import Bucket, RankBuffers, Scratch, apply_delta, contribute, layout_buckets, update_momentum, work_dtype
 from .collectives import CommStats, GroupTransport
-from .lion import Lion, _LOW_PRECISION, apply_update, check_grad
+from .lion import Lion, _LOW_PRECISION, check_grad
 from .quantize import NORMS, levels
 
 __all__ = ["DistributedLion", "DesyncError", "momentum_sync_due"]
@@ -204,7 +204,7 @@ class DistributedLion(Lion):
             self._broadcast_parameters()
             self.buckets = layout_buckets(self._params, self._group_of, world, bucket_cap_mb)
             self._buffers = [RankBuffers(b) for b in self.buckets]
-            self._update = [b.flat() for b in self.buckets]
+            self._scratch = Scratch()
             self._flatten_parameters()
             self._algorithms = [self._algorithm_for(b) for b in self.buckets]
             self._wire = [WireState(up="narrow" if a.name == "pbit" else "runs") for a in self._algorithms]
@@ -336,7 +336,8 @@ class DistributedLion(Lion):
         group = b.group
         if error is None:
             quant = (self.quant_levels, self.quant_norm) if self.aggregate == "quantized" else None
-            values, present, finite = contribute(b, buf, [p.grad for p in b.params], beta1=group["betas"][0],
+            values, present, finite = contribute(b, buf, [p.grad for p in b.params], self._scratch,
+                                                 beta1=group["betas"][0],
                                                  maximize=group["maximize"], quant=quant)
             if not finite:
                 status |= NONFINITE
@@ -436,17 +437,17 @@ class DistributedLion(Lion):
         group = b.group
         active = o.has_grad.tolist()
         if any(active):
-            update = self._update[k]
+            update = self._buffers[k].work
             update.copy_(o.codes[:b.numel])
             if self.rule.vote == "avg":
                 update.div_(self.world_size)
             flat = self._flat_params[k]
             spans = [(0, b.numel)] if all(active) else b.ranges(active)
-            apply_update([flat[lo:hi] for lo, hi in spans], [update[lo:hi] for lo, hi in spans],
-                         group["lr"], group["weight_decay"], foreach=False)
+            apply_delta([flat[lo:hi] for lo, hi in spans], [update[lo:hi] for lo, hi in spans],
+                        group["lr"], group["weight_decay"], self._scratch)
             self._steps[k].add_(o.has_grad.to(self._steps[k].dtype))
         if any(present):
-            update_momentum(b, self._buffers[k], present, group["betas"][1])
+            update_momentum(b, self._buffers[k], present, group["betas"][1], self._scratch)
 
     def _check_frozen(self) -> None:
         for p in self._frozen:

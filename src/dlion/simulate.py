@@ -19,10 +19,10 @@ from torch import Tensor
 
 from .aggregation import VoteRule, coin_key
 from .algorithms import Contribution, WireState, choose_algorithm, make_algorithm
-from .buckets import RankBuffers, contribute, layout_buckets, update_momentum
+from .buckets import RankBuffers, Scratch, apply_delta, contribute, layout_buckets, update_momentum
 from .collectives import CommStats, simulate_collective
 from .distributed import check_options, momentum_sync_due
-from .lion import apply_update, check_hyperparameters, check_params
+from .lion import check_hyperparameters, check_params
 from .quantize import levels
 
 __all__ = ["SimulatedDistributedLion"]
@@ -69,6 +69,7 @@ class SimulatedDistributedLion:
         self.wire = [[WireState(up=u) for _ in range(world_size)] for u in up]  # one per bucket per worker
         self.buffers = [[RankBuffers(b) for b in self.buckets] for _ in range(world_size)]
         self.updates = [b.flat() for b in self.buckets]
+        self.scratch = Scratch()
         self.comm_stats = CommStats()
         self.num_params = sum(p.numel() for p in self.params)
 
@@ -100,7 +101,7 @@ class SimulatedDistributedLion:
             gens, present = [], []
             for i in range(N):
                 buf = self.buffers[i][kb]
-                values, has, _ = contribute(b, buf, [grads[i][k] for k in b.indices], beta1=self.betas[0],
+                values, has, _ = contribute(b, buf, [grads[i][k] for k in b.indices], self.scratch, beta1=self.betas[0],
                                             maximize=False, quant=quant)
                 if self.sign_hooks[i] is not None:
                     values[:b.numel] = self.sign_hooks[i](step, values[:b.numel].clone())
@@ -116,11 +117,11 @@ class SimulatedDistributedLion:
                 if self.rule.vote == "avg":
                     update.div_(N)
                 views = b.views(update)
-                apply_update([p for p, a in zip(b.params, active) if a], [u for u, a in zip(views, active) if a],
-                             self.lr, self.weight_decay, foreach=False)
+                apply_delta([p for p, a in zip(b.params, active) if a], [u for u, a in zip(views, active) if a],
+                            self.lr, self.weight_decay, self.scratch)
             for i in range(N):
                 if any(present[i]):
-                    update_momentum(b, self.buffers[i][kb], present[i], self.betas[1])
+                    update_momentum(b, self.buffers[i][kb], present[i], self.betas[1], self.scratch)
         self.comm_stats.steps += 1
         if momentum_sync_due(self.momentum_sync, self.comm_stats.steps):
             self.synchronize_momenta()

@@ -180,6 +180,8 @@ class MethodRun:
         finally:
             inst.current = None
         if measure:
+            if not self.is_ddp:  # bytes up to the last measured step (the profiled steps come after)
+                self._end = (self.opt.comm_stats.bytes_sent, self.opt.comm_stats.bytes_received)
             self.step_s.append(t2 - t0)
             self.fwd_bwd_s.append(t1 - t0)
         self.losses.append(float(loss.detach()))
@@ -211,8 +213,8 @@ class MethodRun:
                      "bucket_bytes_per_step": (self.tally["bucket_bytes"] - t0["bucket_bytes"]) / steps}
         else:
             b0 = self._start[0]
-            sent = (self.opt.comm_stats.bytes_sent - b0[0]) / steps
-            received = (self.opt.comm_stats.bytes_received - b0[1]) / steps
+            sent = (self._end[0] - b0[0]) / steps
+            received = (self._end[1] - b0[1]) / steps
             extra = {"buckets": len(self.opt.buckets),
                      "algorithms": sorted({a.name for a in self.opt._algorithms}),
                      "profile_ms_per_step": self.profile_ms}
