@@ -4,6 +4,7 @@
 * ``comm``    time and bytes per step of each collective algorithm vs an fp32 all-reduce
 * ``overlap`` step time with communication overlapped with backward, on vs off
 * ``e2e``     end-to-end step time on an emulated slow network (virtual cluster)
+* ``ttq``     time to a target validation loss per link rate (curves from real ranks × e2e step times)
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ("codec", "comm", "overlap", "e2e")
+BENCHMARKS = ("codec", "comm", "overlap", "e2e", "ttq")
 
 
 def main(argv: list[str]) -> int:

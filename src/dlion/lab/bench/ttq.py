@@ -1,0 +1,367 @@
+"""``dlion bench ttq``: how long until the model reaches validation loss L on this link?
+
+1. **Curves** (real ranks, loopback): every method of ``--methods`` trains the same
+   CharGPT on Shakespeare for ``--steps`` steps on ``--workers`` Gloo ranks (each rank its
+   own random windows, the same seeds for every method), with ``--warmup-frac`` linear lr
+   warm-up then cosine decay to 10 %, and rank 0 evaluates the validation loss every
+   ``--eval-every`` steps on ``--eval-batches`` fixed held-out batches. The methods are the
+   e2e benchmark's (:mod:`dlion.lab.bench.e2e.methods`): DDP + Lion / AdamW with fp32, bf16
+   or PowerSGD communication, and DistributedLion.
+2. **Target**: L = G-Lion's validation loss at its last evaluation; each method's
+   steps-to-L is its first evaluation at or below L (a method that never gets there is
+   reported with its best loss).
+3. **Time**: time-to-L at each link rate = steps-to-L × the method's median step time at
+   that rate, read from a ``dlion bench e2e`` result (``--step-times``) measured on the
+   virtual cluster with the *same* model, batch and rank count (checked).
+4. **Check** (``--check-link RATE``, root needed): train ``--check-methods`` for
+   ``--check-steps`` steps end to end on the shaped links and compare the measured wall
+   time with steps × the e2e step time (the composition above is trusted if they agree).
+
+Output in ``--out``: ``ttq_results.json`` (every curve, steps- and time-to-L, speedups),
+``ttq_table.txt`` and ``ttq_loss_vs_time.png`` (validation loss against wall clock, one
+panel per link rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from typing import Callable, Optional
+
+import torch
+
+DEFAULT_METHODS = ("g-lion,g-adamw,g-lion-bf16,g-lion-powersgd1,g-lion-powersgd2,g-lion-powersgd4,"
+                   "g-adamw-powersgd1,g-adamw-powersgd2,g-adamw-powersgd4,d-mavo-1bit-ov,d-avg-1bit-ov,"
+                   "d-mavo-quant-ov")
+MODEL_KEYS = ("n_layer", "n_embd", "n_head", "block_size", "batch_size", "ties", "quant_bits", "bucket_mb")
+
+
+def lr_factor(step: int, total: int, warmup: int) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine decay to 10 % at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    t = (step - warmup) / max(1, total - warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+
+def _val_batches(val_ids, cfg: dict) -> list:
+    from dlion.lab.data import char_batches
+
+    g = torch.Generator().manual_seed(12345)
+    return [char_batches(val_ids, cfg["block_size"], 32, g) for _ in range(cfg["eval_batches"])]
+
+
+@torch.no_grad()
+def evaluate(model, batches: list) -> float:
+    losses = [float(model(x, y)[1]) for x, y in batches]
+    return sum(losses) / len(losses)
+
+
+def train_rank(rank: int, world: int, cfg: dict, emit: Callable[[dict], None]) -> None:
+    """Train every method in turn on this rank; rank 0 emits each method's curve."""
+    import torch.distributed as dist
+
+    from dlion.lab.data import char_batches, load_shakespeare
+
+    from .e2e.instrument import Instrument
+    from .e2e.methods import MethodRun
+
+    torch.set_num_threads(1)
+    train_ids, val_ids, vocab = load_shakespeare()
+    val = _val_batches(val_ids, cfg) if rank == 0 else []
+    inst = Instrument()
+    for method in cfg["methods"]:
+        run = MethodRun(method, rank, cfg, len(vocab), inst)
+        base = [g["lr"] for g in run.opt.param_groups]
+        g = torch.Generator().manual_seed(1000 * cfg["seed"] + rank)
+        warm = max(1, int(cfg["warmup_frac"] * cfg["steps"]))
+        curve, train_s = [], 0.0
+        if rank == 0:
+            curve.append((0, evaluate(run.model, val)))
+        dist.barrier()
+        for step in range(cfg["steps"]):
+            for grp, lr in zip(run.opt.param_groups, base):
+                grp["lr"] = lr * lr_factor(step, cfg["steps"], warm)
+            x, y = char_batches(train_ids, cfg["block_size"], cfg["batch_size"], g)
+            t = time.perf_counter()
+            run.step(x, y, measure=True)
+            train_s += time.perf_counter() - t
+            if rank == 0:
+                emit({"tick": 1})
+                if (step + 1) % cfg["eval_every"] == 0 or step + 1 == cfg["steps"]:
+                    curve.append((step + 1, evaluate(run.model, val)))
+        dist.barrier()
+        if hasattr(run.opt, "check_replicas"):
+            run.opt.check_replicas()
+        if rank == 0:
+            emit({"method": method, "curve": curve, "train_s": train_s, "params": run.params,
+                  "median_step_ms": 1e3 * sorted(run.step_s)[len(run.step_s) // 2]})
+        del run
+
+
+def steps_to(curve: list, target: float) -> Optional[int]:
+    """First evaluated step whose loss is at or below ``target`` (None if never)."""
+    for step, loss in curve:
+        if loss <= target:
+            return step
+    return None
+
+
+def compose(curves: dict, step_ms: dict, reference: str = "g-lion") -> dict:
+    """Steps-to-L and time-to-L (per link) of every method, L = the reference's final loss."""
+    target = curves[reference][-1][1]
+    out = {"target_loss": target, "reference": reference, "methods": {}}
+    for m, curve in curves.items():
+        s = steps_to(curve, target)
+        row = {"steps_to_target": s, "best_loss": min(loss for _, loss in curve), "final_loss": curve[-1][1],
+               "time_to_target_s": {}}
+        for link, ms in step_ms.get(m, {}).items():
+            row["time_to_target_s"][link] = None if s is None else s * ms / 1e3
+        out["methods"][m] = row
+    links = sorted({link for m in step_ms.values() for link in m})
+    out["speedups"] = {}
+    for link in links:
+        times = {m: r["time_to_target_s"].get(link) for m, r in out["methods"].items()}
+        reached = {m: t for m, t in times.items() if t is not None}
+        if not reached:
+            continue
+        fastest = min(reached, key=reached.get)
+        peers = {m: t for m, t in reached.items() if "powersgd" in m}
+        best_psgd = min(peers, key=peers.get) if peers else None
+        out["speedups"][link] = {
+            "fastest": fastest,
+            "best_powersgd": best_psgd,
+            "vs_glion": {m: (times[reference] / t if times.get(reference) else None) for m, t in reached.items()},
+            "vs_best_powersgd": {m: (peers[best_psgd] / t) for m, t in reached.items()} if best_psgd else {},
+        }
+    return out
+
+
+def table(comp: dict, links: list[str]) -> str:
+    from .e2e.methods import label
+
+    lines = [f"target L = {comp['target_loss']:.4f} nats/char (G-Lion's final validation loss)",
+             f"{'method':<36} {'steps→L':>8} {'best loss':>9} " + " ".join(f"{'t→L @' + k:>14}" for k in links)]
+    lines.append("-" * len(lines[-1]))
+    for m, r in comp["methods"].items():
+        s = r["steps_to_target"]
+        cells = []
+        for k in links:
+            t = r["time_to_target_s"].get(k)
+            cells.append(f"{'never' if s is None else ('-' if t is None else f'{t:.1f} s'):>14}")
+        lines.append(f"{label(m):<36} {('never' if s is None else str(s)):>8} {r['best_loss']:>9.4f} " + " ".join(cells))
+    for k in links:
+        sp = comp["speedups"].get(k)
+        if not sp:
+            continue
+        f = sp["fastest"]
+        txt = f"  {k}: fastest to L: {label(f)}"
+        if sp["vs_glion"].get(f):
+            txt += f", {sp['vs_glion'][f]:.2f}× faster than G-Lion"
+        if sp["best_powersgd"]:
+            txt += f"; best PowerSGD: {label(sp['best_powersgd'])}"
+            mavo = [m for m in sp["vs_best_powersgd"] if m.startswith("d-mavo")]
+            for m in mavo:
+                txt += f"; {label(m)} {sp['vs_best_powersgd'][m]:.2f}× vs it"
+        lines.append(txt)
+    return "\n".join(lines)
+
+
+def plot(curves: dict, step_ms: dict, comp: dict, links: list[str], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .e2e.methods import label
+
+    fig, axes = plt.subplots(1, len(links), figsize=(5.5 * len(links), 5), squeeze=False)
+    for ax, link in zip(axes[0], links):
+        for m, curve in curves.items():
+            ms = step_ms.get(m, {}).get(link)
+            if ms is None:
+                continue
+            xs = [s * ms / 1e3 for s, _ in curve]
+            style = dict(lw=2.2, color="tab:blue") if m.startswith("d-mavo-1bit") else dict(lw=1.2)
+            if m.startswith("g-lion") and "powersgd" not in m:
+                style = dict(lw=2, color="tab:red" if m == "g-lion" else "tab:orange")
+            ax.plot(xs, [loss for _, loss in curve], label=label(m), **style)
+        ax.axhline(comp["target_loss"], color="black", ls=":", lw=1)
+        ax.set_xscale("log")
+        ax.set_xlabel("wall clock (s, log scale): steps × measured step time")
+        ax.set_ylabel("validation loss (nats/char)")
+        ax.set_title(f"link {link}")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="dlion bench ttq", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--methods", default=DEFAULT_METHODS)
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--eval-batches", type=int, default=8, help="held-out batches of 32 windows (default 8)")
+    ap.add_argument("--warmup-frac", type=float, default=0.05)
+    ap.add_argument("--n-layer", type=int, default=4)
+    ap.add_argument("--n-embd", type=int, default=128)
+    ap.add_argument("--n-head", type=int, default=2)
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--bucket-mb", type=float, default=1.0)
+    ap.add_argument("--lr", type=float, default=1e-3, help="Lion lr (AdamW gets 10x, its wd /10)")
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--ties", default="zero", choices=("zero", "random"))
+    ap.add_argument("--quant-bits", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--step-times", default=None, help="e2e_results.json of `dlion bench e2e` with this model")
+    ap.add_argument("--curves", default=None, help="reuse the curves of an earlier ttq_results.json")
+    ap.add_argument("--check-link", default=None, help="also train --check-methods end to end at this rate")
+    ap.add_argument("--check-methods", default="d-mavo-1bit-ov,g-lion-powersgd2")
+    ap.add_argument("--check-steps", type=int, default=100)
+    ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--out", default=os.path.join("runs", "bench-ttq"))
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    return ap
+
+
+def _step_times(path: str, cfg: dict, workers: int) -> dict:
+    """method -> {link: ms per step} from an e2e result, refusing one of another workload."""
+    with open(path) as f:
+        doc = json.load(f)
+    other = doc["config"]
+    diff = [k for k in MODEL_KEYS if k in other and other[k] != cfg[k]]
+    if diff or doc["workers"] != workers:
+        raise SystemExit(f"dlion bench ttq: {path} was measured with another workload "
+                         f"({', '.join(f'{k}={other[k]!r}' for k in diff) or 'workers=' + str(doc['workers'])}); "
+                         f"run `dlion bench e2e` with the same model, batch and ranks")
+    out: dict = {}
+    for r in doc["results"]:
+        out.setdefault(r["method"], {})[r["link"]] = r["ms_per_step"]
+    return out
+
+
+def main(argv: list[str]) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
+    if args.worker is not None:
+        from .launch import env_worker
+
+        cfg = json.loads(args.worker)
+        return env_worker(train_rank, cfg, timeout_s=cfg["timeout"])
+    from .e2e.methods import parse_methods
+
+    try:
+        methods = parse_methods(args.methods)
+    except ValueError as e:
+        ap.error(str(e))
+    if "g-lion" not in methods:
+        methods = ["g-lion"] + methods  # the reference that defines L
+    cfg = {"n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head, "block_size": args.block_size,
+           "batch_size": args.batch_size, "bucket_mb": args.bucket_mb, "lr": args.lr,
+           "weight_decay": args.weight_decay, "ties": args.ties, "quant_bits": args.quant_bits, "seed": args.seed,
+           "steps": args.steps, "eval_every": args.eval_every, "eval_batches": args.eval_batches,
+           "warmup_frac": args.warmup_frac, "methods": methods, "timeout": args.timeout, "synthetic": False,
+           "sequential": True, "warmup": 0}
+    step_ms = _step_times(args.step_times, cfg, args.workers) if args.step_times else {}
+    os.makedirs(args.out, exist_ok=True)
+    bar = None
+    if not args.no_progress:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(methods) * args.steps, desc="ttq curves", unit="step")
+        except ImportError:
+            bar = None
+    t0 = time.time()
+    if args.curves:
+        with open(args.curves) as f:
+            curves = {m: [tuple(p) for p in c] for m, c in json.load(f)["curves"].items()}
+        extra = {}
+    else:
+        from .launch import run_loopback
+
+        import torch._dynamo  # noqa: F401  (forked ranks inherit it)
+        per_rank = run_loopback(train_rank, args.workers, cfg, timeout_s=args.timeout,
+                                on_tick=None if bar is None else lambda: bar.update(1))
+        curves = {d["method"]: [tuple(p) for p in d["curve"]] for d in per_rank[0]}
+        extra = {d["method"]: {"train_s": d["train_s"], "loopback_median_step_ms": d["median_step_ms"],
+                               "params": d["params"]} for d in per_rank[0]}
+    if bar is not None:
+        bar.close()
+    links = sorted({k for m in step_ms.values() for k in m}, key=_rate_key)
+    comp = compose(curves, step_ms)
+    doc = {"benchmark": "dlion bench ttq", "config": cfg, "workers": args.workers, "curves": curves,
+           "runs": extra, "step_times_ms": step_ms, "step_times_from": os.path.basename(args.step_times or ""),
+           "composed": comp, "elapsed_s": time.time() - t0}
+    if args.check_link:
+        doc["check"] = _check(args, cfg, step_ms)
+    text = table(comp, links)
+    if "check" in doc:
+        text += "\n\n" + _check_text(doc["check"])
+    print(text)
+    with open(os.path.join(args.out, "ttq_results.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    with open(os.path.join(args.out, "ttq_table.txt"), "w") as f:
+        f.write(text + "\n")
+    if links:
+        p = extra.get("g-lion", {}).get("params") or ""
+        plot(curves, step_ms, comp, links, os.path.join(args.out, "ttq_loss_vs_time.png"),
+             f"dlion bench ttq: {args.workers} ranks, CharGPT {p / 1e6 if p else 0:.2f} M params, "
+             f"{args.steps} steps; time = steps × step time measured on the shaped links")
+    print(f"wrote {os.path.join(args.out, 'ttq_results.json')}, ttq_table.txt"
+          + (", ttq_loss_vs_time.png" if links else ""))
+    return 0
+
+
+def _rate_key(link: str) -> float:
+    from dlion.lab.cluster import parse_rate
+
+    try:
+        return float(parse_rate(link))
+    except ValueError:
+        return float("inf")
+
+
+def _check(args, cfg: dict, step_ms: dict) -> dict:
+    """Train a few methods end to end on the shaped links; compare with the composed time."""
+    from .e2e.methods import parse_methods
+    from .launch import run_cluster
+
+    methods = parse_methods(args.check_methods)
+    ccfg = dict(cfg, methods=methods, steps=args.check_steps, eval_every=10**9, eval_batches=1)
+    cmd = [sys.executable, "-m", "dlion.lab.bench.ttq", "--worker", json.dumps(ccfg)]
+    out = {"link": args.check_link, "steps": args.check_steps, "methods": {}}
+    runs = run_cluster(cmd, args.workers, [args.check_link], prefix=f"dlq{os.getpid() % 100000}",
+                       timeout=args.timeout)
+    for link, per_rank, results in runs:
+        for d in per_rank[0]:
+            m = d["method"]
+            composed = args.check_steps * step_ms.get(m, {}).get(link, float("nan")) / 1e3
+            out["methods"][m] = {"measured_s": d["train_s"], "composed_s": composed,
+                                 "ratio": d["train_s"] / composed if composed else None}
+    return out
+
+
+def _check_text(check: dict) -> str:
+    from .e2e.methods import label
+
+    lines = [f"end-to-end check at {check['link']}: {check['steps']} training steps on the shaped links"]
+    for m, r in check["methods"].items():
+        lines.append(f"  {label(m):<36} measured {r['measured_s']:.1f} s, composed (steps × e2e step time) "
+                     f"{r['composed_s']:.1f} s, measured/composed = {r['ratio']:.3f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,47 @@
+"""``dlion bench ttq``: the composition of curves and step times, and a loopback smoke run."""
+
+import json
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from dlion.lab.bench import ttq  # noqa: E402
+
+
+def test_lr_schedule_warms_up_then_decays_to_a_tenth():
+    assert ttq.lr_factor(0, 100, 10) == pytest.approx(0.1)
+    assert ttq.lr_factor(9, 100, 10) == pytest.approx(1.0)
+    assert ttq.lr_factor(10, 100, 10) == pytest.approx(1.0)
+    assert ttq.lr_factor(100, 100, 10) == pytest.approx(0.1)
+
+
+def test_compose_steps_and_time_to_target():
+    curves = {"g-lion": [(0, 4.0), (10, 3.0), (20, 2.0)],
+              "d-mavo-1bit-ov": [(0, 4.0), (10, 2.5), (20, 1.9)],
+              "g-lion-powersgd2": [(0, 4.0), (10, 3.5), (20, 2.2)]}
+    step_ms = {"g-lion": {"50mbit": 1000.0}, "d-mavo-1bit-ov": {"50mbit": 100.0},
+               "g-lion-powersgd2": {"50mbit": 200.0}}
+    comp = ttq.compose(curves, step_ms)
+    assert comp["target_loss"] == 2.0
+    rows = comp["methods"]
+    assert rows["g-lion"]["steps_to_target"] == 20 and rows["g-lion"]["time_to_target_s"]["50mbit"] == 20.0
+    assert rows["d-mavo-1bit-ov"]["steps_to_target"] == 20
+    assert rows["d-mavo-1bit-ov"]["time_to_target_s"]["50mbit"] == pytest.approx(2.0)
+    assert rows["g-lion-powersgd2"]["steps_to_target"] is None  # never reached: reported with its best loss
+    assert rows["g-lion-powersgd2"]["best_loss"] == 2.2
+    sp = comp["speedups"]["50mbit"]
+    assert sp["fastest"] == "d-mavo-1bit-ov" and sp["vs_glion"]["d-mavo-1bit-ov"] == pytest.approx(10.0)
+    assert sp["best_powersgd"] is None  # the only PowerSGD method never reached L
+
+
+def test_ttq_loopback_smoke(tmp_path, capsys):
+    rc = ttq.main(["--workers", "2", "--methods", "g-lion,d-mavo-1bit-ov", "--steps", "6", "--eval-every", "3",
+                   "--eval-batches", "1", "--n-layer", "1", "--n-embd", "32", "--n-head", "1", "--no-progress",
+                   "--out", str(tmp_path)])
+    assert rc == 0
+    doc = json.loads((tmp_path / "ttq_results.json").read_text())
+    assert [s for s, _ in doc["curves"]["g-lion"]] == [0, 3, 6]
+    assert doc["composed"]["methods"]["g-lion"]["steps_to_target"] == 6  # L is G-Lion's final loss
+    assert doc["curves"]["g-lion"][0] == doc["curves"]["d-mavo-1bit-ov"][0]  # same initial model
+    assert "target L" in capsys.readouterr().out
