@@ -1,8 +1,13 @@
-"""dlion: communication-efficient distributed training with the Lion optimizer."""
+"""dlion: communication-efficient distributed training with the Lion optimizer.
 
-__version__ = "0.1.0"
+Distributed Lion (Liu et al. 2024, arXiv 2404.00438) with Lion Cub's communication
+(Ishikawa et al. 2024, arXiv 2411.16462), on plain ``torch.distributed``.
+"""
+
+__version__ = "0.2.0"
 
 from .lion import Lion
-from .distributed import DistributedLion
+from .distributed import DesyncError, DistributedLion
+from .simulate import SimulatedDistributedLion
 
-__all__ = ["Lion", "DistributedLion", "__version__"]
+__all__ = ["Lion", "DistributedLion", "DesyncError", "SimulatedDistributedLion", "__version__"]

@@ -14,8 +14,7 @@ rank and a float Δ that every rank applies:
 
 Zeros are abstentions: a worker whose local update is exactly 0 (no gradient,
 or c = 0) votes for neither side, so a coordinate that is 0 on every worker gets
-Δ = 0 and never drifts (papers.md §5: encoding 0 as ±1 makes such parameters
-walk). Ties (s = 0 with nz > 0, only possible for even nz):
+Δ = 0 and never drifts (encoding 0 as ±1 would make such parameters walk). Ties (s = 0 with nz > 0, only possible for even nz):
 
 * ``ties="zero"``   Δ = 0, as sign(0) = 0 in the paper. The code then takes
   three values and travels as base-3 digits (1.6 bits).

@@ -1,8 +1,8 @@
 """Checkpoints of a data-parallel job: the model once, and *every* rank's optimizer state.
 
 Distributed Lion keeps one momentum per rank and never synchronises them
-(papers.md §2), so rank 0's ``optimizer.state_dict()`` alone loses N − 1 of
-them (papers.md §5, last trap) and a resumed run would no longer follow the
+(Liu et al. 2024, arXiv 2404.00438), so rank 0's ``optimizer.state_dict()``
+alone loses N − 1 of them and a resumed run would no longer follow the
 run that never stopped. :func:`save` therefore gathers every rank's optimizer
 state to rank 0 (``torch.distributed.gather_object``), and rank 0 writes one
 file. :func:`load` gives rank r the state that rank r saved, so training

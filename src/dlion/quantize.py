@@ -1,4 +1,4 @@
-"""Lion Cub's quantised aggregation of the pre-sign vector c (papers.md §3.2).
+"""Lion Cub's quantised aggregation of the pre-sign vector c (Ishikawa et al. 2024, arXiv 2411.16462).
 
 Instead of voting on signs, each rank sends a small integer per coordinate,
 

@@ -1,15 +1,17 @@
-"""``dlion bench codec``: what the bit codec costs next to the Lion step it serves.
+"""``dlion bench codec``: what D-Lion's per-step work costs next to the Lion step it replaces.
 
-On one flat tensor of ``--params`` coordinates, times (median of ``--repeat``):
+On one bucket of ``--params`` coordinates, with ``--workers`` simulated ranks (median of
+``--repeat``), one rank's share of:
 
-* ``lion step``  the local Lion update of :class:`dlion.Lion` (c, sign, decay, step, momentum)
-* ``sign→int8``  writing sign(c) into the int8 send buffer (DistributedLion's extra local work)
-* ``pack``       encoding δ into bits (1 bit per coordinate)
-* ``vote``       one rank's share of the 1bit algorithm: count N received chunks of n/N
-                 coordinates, decide, encode the result
-* ``unpack``     decoding all n result codes and turning them into Δ
+* ``lion step``   the local Lion update of :class:`dlion.Lion` (c, sign, decay, step, momentum)
+* ``contribute``  gradient into the flat bucket, c, the non-finite check, sign(c) as int8
+* ``exchange``    the aggregation algorithm's own work (``--comm``): encode the header and
+                  signs, count and vote on the received chunk, encode and decode the codes —
+                  everything but the transport (measured inside the algorithm's generator)
+* ``apply``       Δ from the codes, x·(1 − ηλ) − ηΔ, the momentum update
 
-and prints ns per parameter and the ratio (pack + vote + unpack) / lion step.
+and prints ns per parameter and the ratios exchange / lion step (the codec's cost) and
+(contribute + exchange + apply) / lion step (D-Lion's local work per step).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import time
 import torch
 
 from dlion.aggregation import VoteRule
-from dlion.codec import ALIGN, SignCodec
-from dlion.collectives import reduce_counts
+from dlion.algorithms import Contribution, WireState, make_algorithm, padded_length
+from dlion.buckets import RankBuffers, Scratch, apply_delta, contribute, layout_buckets, update_momentum
+from dlion.collectives import simulate_collective
 from dlion.lion import Lion
 
 
@@ -48,41 +51,75 @@ def timeit(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def run(n: int, world: int, vote: str, repeat: int, device: str) -> dict:
-    quantum = ALIGN * world
-    n = -(-n // quantum) * quantum
+def run(n: int, world: int, vote: str, comm: str, repeat: int, device: str) -> dict:
     g = torch.Generator().manual_seed(0)
     p = torch.randn(n, generator=g).to(device).requires_grad_()
     p.grad = torch.randn(n, generator=g).to(device)
     opt = Lion([p], lr=1e-4, weight_decay=0.1)
     opt.step()  # allocate the momentum
-    c = torch.randn(n, generator=g).to(device)
-    buffer = torch.empty(n, dtype=torch.int8, device=device)
-    delta = torch.sign(c).to(torch.int8)
-    delta[delta == 0] = 1
-    rule = VoteRule(vote, world)
-    up, down = SignCodec(), rule.result_codec(False)
-    received = torch.cat([up.encode(torch.roll(delta, r)[: n // world]) for r in range(world)])
-    codes = rule.decide(*reduce_counts(received, up, world, n // world))
-    result = down.encode(torch.cat([codes] * world))
-
-    def vote_fn():
-        s, nz = reduce_counts(received, up, world, n // world)
-        down.encode(rule.decide(s, nz))
-
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
     def timed(fn):
         return timeit(lambda: (fn(), sync()), repeat)
 
+    group = dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.1, maximize=False)
+    b = layout_buckets([p], [group], world, cap_mb=4 * n / 2**20 + 1)[0]
+    scratch = Scratch()
+    bufs = [RankBuffers(b) for _ in range(world)]
+    for r, buf in enumerate(bufs):  # every simulated rank its own momentum and gradient
+        buf.momentum.copy_(torch.randn(n, generator=g))
+    grads = [torch.randn(n, generator=g).to(device) for _ in range(world)]
+    rule = VoteRule(vote, world)
+    alg = make_algorithm(comm, rule)
+    states = [WireState(up="narrow" if comm == "pbit" else "runs") for _ in range(world)]
+    contribs = []
+    for r in range(world):
+        values, present, _ = contribute(b, bufs[r], [grads[r]], scratch, beta1=0.9, maximize=False)
+        contribs.append(Contribution(values.clone(), b.numel, torch.tensor(present)))
+    inside = [0.0]
+
+    def exchange():
+        """All ranks in lockstep; only the time inside the algorithm counts (the transport is not timed)."""
+        gens = [alg.run(states[r], contribs[r], r, 0) for r in range(world)]
+        t = time.perf_counter()
+        ops = [next(gen) for gen in gens]
+        inside[0] += time.perf_counter() - t
+        outcome = None
+        while outcome is None:
+            outs = simulate_collective(ops[0][0], [op[1] for op in ops])
+            t = time.perf_counter()
+            nxt = []
+            for gen, out in zip(gens, outs):
+                try:
+                    nxt.append(gen.send(out))
+                except StopIteration as stop:
+                    outcome = stop.value
+            inside[0] += time.perf_counter() - t
+            ops = nxt
+        return outcome
+
+    outcome = exchange()
+    inside[0] = 0.0
+    runs = repeat + 1
+    for _ in range(runs):
+        exchange()
+    exchange_s = inside[0] / runs / world
+
+    def apply():
+        work = bufs[0].work
+        work.copy_(outcome.codes[:b.numel])
+        if vote == "avg":
+            work.div_(world)
+        apply_delta([p.detach().view(-1)], [work], 1e-4, 0.1, scratch)
+        update_momentum(b, bufs[0], [True], 0.99, scratch)
+
     t = {
         "lion step": timed(opt.step),
-        "sign→int8": timed(lambda: torch.sub((c > 0).view(torch.int8), (c < 0).view(torch.int8), out=buffer)),
-        "pack": timed(lambda: up.encode(delta)),
-        "vote": timed(vote_fn),
-        "unpack": timed(lambda: rule.delta(down.decode(result, n), torch.float32)),
+        "contribute": timed(lambda: contribute(b, bufs[0], [grads[0]], scratch, beta1=0.9, maximize=False)),
+        "exchange": exchange_s,
+        "apply": timed(apply),
     }
-    return {"params": n, "workers": world, "vote": vote, "device": device,
+    return {"params": n, "workers": world, "vote": vote, "comm": comm, "device": device,
             "seconds": t, "ns_per_param": {k: v / n * 1e9 for k, v in t.items()}}
 
 
@@ -92,6 +129,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--params", type=parse_count, default=parse_count("16M"), help="coordinates (default 16M)")
     ap.add_argument("--workers", type=int, default=4, help="N for the vote (default 4)")
     ap.add_argument("--vote", choices=("mavo", "avg"), default="mavo")
+    ap.add_argument("--comm", choices=("1bit", "allgather", "pbit"), default="1bit")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: one rank per core)")
     ap.add_argument("--device", default="cpu")
@@ -99,13 +137,16 @@ def main(argv: list[str]) -> int:
     if args.workers < 1:
         ap.error("--workers must be >= 1")
     torch.set_num_threads(args.threads)
-    r = run(args.params, args.workers, args.vote, args.repeat, args.device)
+    r = run(padded_length(args.params, args.workers), args.workers, args.vote, args.comm, args.repeat, args.device)
     ns = r["ns_per_param"]
-    print(f"dlion bench codec: {r['params']:,} parameters, N={args.workers}, vote={args.vote}, "
+    print(f"dlion bench codec: {r['params']:,} parameters, N={args.workers}, vote={args.vote}, comm={args.comm}, "
           f"device={args.device}, {args.threads} thread(s), median of {args.repeat}")
     print(f"{'stage':<12} {'ms':>9} {'ns/param':>9}")
     for k, v in r["seconds"].items():
         print(f"{k:<12} {v * 1e3:>9.2f} {ns[k]:>9.3f}")
-    codec = ns["pack"] + ns["vote"] + ns["unpack"]
-    print(f"pack + vote + unpack = {codec:.3f} ns/param = {codec / ns['lion step']:.2f} × the local Lion step")
+    lion = ns["lion step"]
+    local = ns["contribute"] + ns["exchange"] + ns["apply"]
+    print(f"exchange (encode + vote + decode) = {ns['exchange']:.3f} ns/param = {ns['exchange'] / lion:.2f} × the "
+          f"local Lion step")
+    print(f"contribute + exchange + apply = {local:.3f} ns/param = {local / lion:.2f} × the local Lion step")
     return 0

@@ -4,8 +4,9 @@ same parameters, on N local Gloo ranks (loopback, no shaping).
 For every algorithm (``allgather``, ``1bit``, ``pbit``) and rule (``mavo``,
 ``avg``) it runs the aggregation of one flat buffer of ``--params`` random signs
 ``--steps`` times and prints the median time per step and the bytes per
-parameter per rank actually counted by ``CommStats`` (sent; received is the
-same), next to the formula (1 + b)(N−1)/N bits of the reduce-scatter pattern.
+parameter per rank counted by ``CommStats`` (sent; received is the same; the
+headers included), next to the formula (1 + b)(N−1)/N bits of the reduce-scatter
+pattern.
 Loopback on a 2-core machine is CPU-bound: compare rows of one run as ratios.
 """
 
@@ -19,9 +20,10 @@ import torch
 import torch.distributed as dist
 
 from dlion.aggregation import VoteRule
+from dlion.algorithms import ALGORITHMS, Contribution, WireState, make_algorithm, padded_length
+from dlion.collectives import CommStats, GroupTransport
+from dlion.distributed import _Flight
 from dlion.lab.bench.codec import parse_count
-from dlion.codec import ALIGN
-from dlion.collectives import ALGORITHMS, CommStats
 from dlion.lab.spawn import spawn
 
 
@@ -43,11 +45,19 @@ def _worker(rank: int, world: int, n: int, steps: int, rules: list) -> list[dict
     flat = torch.randn(n, generator=g)
     t = measure(lambda: dist.all_reduce(flat))
     rows.append(dict(method="fp32 all_reduce", vote="-", seconds=t, bytes=4 * n * 2 * (world - 1) / world))
+    contrib = Contribution(delta, n, torch.ones(1, dtype=torch.bool))
     for vote in rules:
         rule = VoteRule(vote, world)
-        for name, algorithm in ALGORITHMS.items():
+        for name in ALGORITHMS:
             stats = CommStats()
-            t = measure(lambda: algorithm(delta, False, rule, stats=stats, key=0))
+            transport = GroupTransport(None, stats)
+            alg = make_algorithm(name, rule)
+            state = WireState(up="narrow" if name == "pbit" else "runs")
+
+            def once():
+                _Flight(alg.run(state, contrib, rank, 0), transport).advance(transport, block=True)
+
+            t = measure(once)
             calls = steps + 1  # measure() makes one warm-up call
             rows.append(dict(method=name, vote=vote, seconds=t, bytes=stats.bytes_sent / calls,
                              b=rule.result_bits(False)))
@@ -68,7 +78,7 @@ def main(argv: list[str]) -> int:
     if any(w < 2 for w in worlds):
         ap.error("--workers: every world size must be >= 2")
     for world in worlds:
-        n = -(-args.params // (ALIGN * world)) * (ALIGN * world)
+        n = padded_length(args.params, world)
         rows = spawn(_worker, world, n, args.steps, ["mavo", "avg"], timeout_s=600)[0]
         base = rows[0]["seconds"]
         print(f"\ndlion bench comm: N={world} ranks (Gloo, loopback), {n:,} parameters, median of {args.steps}")
