@@ -308,3 +308,72 @@ def test_sparse_gradient_on_one_rank_stops_every_rank_and_changes_nothing():
     assert torch.equal(a0, torch.ones(4)) and torch.equal(a1, torch.ones(4))
     for m in (m0, m1):  # momenta untouched (allocated at construction, still zero)
         assert m is None or torch.equal(m, torch.zeros(4))
+
+
+# -- misuse that used to desynchronise silently ----------------------------------------
+
+def option_mismatch_worker(rank, world, option):
+    kwargs = {"vote": "avg", "ties": "random", "comm": "pbit", "bucket_cap_mb": 1.0}[option]
+    p = torch.ones(4, requires_grad=True)
+    try:
+        dlion.DistributedLion([p], lr=0.1, **({option: kwargs} if rank == 1 else {}))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("option", ["vote", "ties", "comm", "bucket_cap_mb"])
+def test_options_that_differ_between_ranks_raise_at_construction_on_every_rank(option):
+    for err in spawn(option_mismatch_worker, 2, option, timeout_s=30):
+        assert err is not None and "ranks disagree on the optimizer's options" in err and option in err
+
+
+def lr_mismatch_worker(rank, world):
+    p = torch.ones(6, requires_grad=True)
+    opt = dlion.DistributedLion([p], lr=0.1, comm="1bit")
+    p.grad = torch.ones(6)
+    opt.step()
+    if rank == 0:
+        opt.param_groups[0]["lr"] = 0.05  # e.g. an LR scheduler stepped on one rank only
+    before = p.detach().clone()
+    p.grad = torch.ones(6)
+    try:
+        opt.step()
+    except ValueError as e:
+        return str(e), torch.equal(p.detach(), before)
+    return None, False
+
+
+def test_hyperparameters_changed_on_one_rank_raise_within_one_step_on_every_rank():
+    for err, unchanged in spawn(lr_mismatch_worker, 3, timeout_s=30):
+        assert err is not None and "ranks disagree on lr, betas, weight_decay or maximize at step 1" in err
+        assert unchanged
+
+
+def discard_worker(rank, world, skip):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = dlion.DistributedLion(model.parameters(), lr=0.05, overlap=True, comm="1bit", bucket_cap_mb=64 * 4 / 2**20)
+    g = torch.Generator().manual_seed(rank)
+    import warnings
+    for t in range(3):
+        x = torch.randn(5, 8, generator=g)
+        if skip and t == 1:  # a backward that no step follows (a skipped batch), then zero_grad
+            model(torch.randn(5, 8) * 100).pow(2).sum().backward()  # (global RNG: g stays in step)
+            with warnings.catch_warnings(record=True):
+                warnings.simplefilter("always")
+                opt.zero_grad()
+        else:
+            opt.zero_grad()
+        model(x).pow(2).sum().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_zero_grad_discards_a_backward_without_step_like_torch_optim():
+    """A discarded backward leaves no trace: same parameters as if it never happened."""
+    plain = spawn(discard_worker, 2, False, timeout_s=30)
+    skipped = spawn(discard_worker, 2, True, timeout_s=30)
+    for a, b in zip(plain, skipped):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
