@@ -12,7 +12,8 @@ from dlion.lab.bench import e2e  # noqa: E402
 def test_parse_methods_groups_and_errors():
     assert e2e.parse_methods("g-lion,d-mavo-1bit") == ["g-lion", "d-mavo-1bit"]
     assert e2e.parse_methods("all") == list(e2e.METHODS)
-    assert set(e2e.parse_methods("overlap")) == {m for m in e2e.DLION if m.endswith("-ov")}
+    assert set(e2e.parse_methods("overlap")) == {m for m in e2e.DLION if "-ov" in m}
+    assert e2e.label("d-mavo-1bit-ov-rt") == "D-Lion MaVo 1bit +overlap +random ties"
     assert e2e.parse_methods("baselines,g-lion") == list(e2e.BASELINES)  # no duplicates
     assert e2e.parse_methods("powersgd") == [f"g-{o}-powersgd{r}" for o in ("lion", "adamw") for r in (1, 2, 4)]
     with pytest.raises(ValueError):

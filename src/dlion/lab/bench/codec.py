@@ -17,6 +17,7 @@ and prints ns per parameter and the ratios exchange / lion step (the codec's cos
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -133,6 +134,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: one rank per core)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", default=None, help="also write the figures to this JSON file")
     args = ap.parse_args(argv)
     if args.workers < 1:
         ap.error("--workers must be >= 1")
@@ -149,4 +151,9 @@ def main(argv: list[str]) -> int:
     print(f"exchange (encode + vote + decode) = {ns['exchange']:.3f} ns/param = {ns['exchange'] / lion:.2f} × the "
           f"local Lion step")
     print(f"contribute + exchange + apply = {local:.3f} ns/param = {local / lion:.2f} × the local Lion step")
+    if args.json:
+        r.update(threads=args.threads, repeat=args.repeat, exchange_over_lion=ns["exchange"] / lion,
+                 local_over_lion=local / lion)
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1)
     return 0

@@ -13,6 +13,7 @@ Loopback on a 2-core machine is CPU-bound: compare rows of one run as ratios.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -70,6 +71,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--workers", default="4", help="world sizes, comma separated (default 4; e.g. 3,4)")
     ap.add_argument("--params", type=parse_count, default=parse_count("16M"), help="coordinates (default 16M)")
     ap.add_argument("--steps", type=int, default=5, help="timed repetitions per row (median)")
+    ap.add_argument("--json", default=None, help="also write every row to this JSON file")
     args = ap.parse_args(argv)
     try:
         worlds = [int(w) for w in args.workers.split(",")]
@@ -77,9 +79,11 @@ def main(argv: list[str]) -> int:
         ap.error(f"--workers must be comma-separated integers, got {args.workers!r}")
     if any(w < 2 for w in worlds):
         ap.error("--workers: every world size must be >= 2")
+    doc = {"benchmark": "dlion bench comm", "params": args.params, "steps": args.steps, "runs": []}
     for world in worlds:
         n = padded_length(args.params, world)
         rows = spawn(_worker, world, n, args.steps, ["mavo", "avg"], timeout_s=600)[0]
+        doc["runs"].append({"workers": world, "params": n, "rows": rows})
         base = rows[0]["seconds"]
         print(f"\ndlion bench comm: N={world} ranks (Gloo, loopback), {n:,} parameters, median of {args.steps}")
         print(f"{'algorithm':<16} {'vote':<5} {'ms/step':>9} {'vs fp32':>8} {'bits/param/rank':>16} "
@@ -90,4 +94,7 @@ def main(argv: list[str]) -> int:
             ratio = f"{bits / formula:>6.3f}" if formula and r["method"] == "1bit" else f"{'':>6}"
             print(f"{r['method']:<16} {r['vote']:<5} {r['seconds'] * 1e3:>9.2f} {r['seconds'] / base:>8.3f} "
                   f"{bits:>16.3f} {formula if formula is not None else float('nan'):>13.3f} {ratio}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
     return 0

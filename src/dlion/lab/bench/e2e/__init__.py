@@ -14,8 +14,9 @@ references and peers (DistributedDataParallel: bucketed all-reduce overlapped wi
   ``g-{lion,adamw}-powersgd{1,2,4}``  DDP with ``powerSGD_hook`` (that rank, error feedback, warm start)
                            + Lion / AdamW, in one bucket (see docs/benchmarks.md: why not overlapped on Gloo)
 ours (dlion.DistributedLion, no DDP)
-  ``d-{mavo,avg}-{allgather,1bit,pbit}[-ov]`` and ``d-mavo-quant[-ov]``
-  (``comm=`` algorithm; ``quant`` = ``aggregate="quantized"``; ``-ov`` = ``overlap=True``)
+  ``d-{mavo,avg}-{allgather,1bit,pbit}[-ov]``, ``d-mavo-quant[-ov]`` and ``d-mavo-1bit-ov-rt``
+  (``comm=`` algorithm; ``quant`` = ``aggregate="quantized"``; ``-ov`` = ``overlap=True``;
+  ``-rt`` = ``ties="random"``, whatever ``--ties`` says)
 
 Groups for ``--methods``: ``all``, ``baselines``, ``peers``, ``powersgd``, ``dlion``, ``mavo``, ``avg``,
 ``overlap``.
@@ -99,6 +100,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--sequential", action="store_true",
                     help="run the methods one after another (less memory) instead of taking turns step by step")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--replot", default=None, metavar="JSON",
+                    help="redraw e2e_step_time.png in --out from an earlier e2e_results.json, without running")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return ap
 
@@ -108,6 +111,16 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     if args.worker is not None:
         return _env_worker(json.loads(args.worker))
+    if args.replot:
+        with open(args.replot) as f:
+            doc = json.load(f)
+        os.makedirs(args.out, exist_ok=True)
+        cfg, n = doc["config"], doc["results"][0]["params"]
+        plot(doc["results"], cfg["methods"], os.path.join(args.out, "e2e_step_time.png"),
+             f"dlion bench e2e: {doc['workers']} ranks, CharGPT {n / 1e6:.1f} M params, batch "
+             f"{cfg['batch_size']}×{cfg['block_size']}/rank, {doc['machine']['cpu_count']} shared CPU cores")
+        print(f"wrote {os.path.join(args.out, 'e2e_step_time.png')}")
+        return 0
     if args.workers < 2:
         ap.error("--workers must be >= 2")
     if args.steps < 1 or args.warmup < 0:

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 POWERSGD = tuple(f"g-{opt}-powersgd{r}" for opt in ("lion", "adamw") for r in (1, 2, 4))
 BASELINES = ("compute", "sync-only", "g-adamw", "g-lion", "g-lion-bf16") + POWERSGD
 DLION = tuple(f"d-{vote}-{comm}{ov}" for vote in ("mavo", "avg") for comm in ("allgather", "1bit", "pbit")
-              for ov in ("", "-ov")) + ("d-mavo-quant", "d-mavo-quant-ov")
+              for ov in ("", "-ov")) + ("d-mavo-quant", "d-mavo-quant-ov", "d-mavo-1bit-ov-rt")
 METHODS = BASELINES + DLION
 GROUPS = {
     "all": METHODS,
@@ -24,7 +24,7 @@ GROUPS = {
     "dlion": DLION,
     "mavo": tuple(m for m in DLION if m.startswith("d-mavo")),
     "avg": tuple(m for m in DLION if m.startswith("d-avg")),
-    "overlap": tuple(m for m in DLION if m.endswith("-ov")),
+    "overlap": tuple(m for m in DLION if "-ov" in m),
 }
 LABELS = {"compute": "compute only (no comm)", "sync-only": "sync only (1 value per bucket)",
           "g-adamw": "G-AdamW (DDP fp32)", "g-lion": "G-Lion (DDP fp32)", "g-lion-bf16": "G-Lion (DDP bf16 hook)",
@@ -38,9 +38,9 @@ def label(method: str) -> str:
     if method in LABELS:
         return LABELS[method]
     parts = method.split("-")
-    vote, comm, ov = parts[1], parts[2], len(parts) > 3
+    vote, comm, ov, rt = parts[1], parts[2], "ov" in parts[3:], "rt" in parts[3:]
     comm = {"quant": "quantized int8", "allgather": "allgather (naive)"}.get(comm, comm)
-    return f"D-Lion {'MaVo' if vote == 'mavo' else 'Avg'} {comm}{' +overlap' if ov else ''}"
+    return f"D-Lion {'MaVo' if vote == 'mavo' else 'Avg'} {comm}{' +overlap' if ov else ''}{' +random ties' if rt else ''}"
 
 
 def parse_methods(text: str) -> list[str]:
@@ -153,9 +153,10 @@ class MethodRun:
             quant = comm == "quant"
             self.net = model
             self.opt = _dlion_class()(
-                model.parameters(), lr=lr, betas=betas, weight_decay=wd, vote=vote, ties=cfg["ties"],
+                model.parameters(), lr=lr, betas=betas, weight_decay=wd, vote=vote,
+                ties="random" if "rt" in rest else cfg["ties"],
                 comm="1bit" if quant else comm, aggregate="quantized" if quant else "sign",
-                quant_bits=cfg["quant_bits"], overlap=bool(rest), bucket_cap_mb=cfg["bucket_mb"])
+                quant_bits=cfg["quant_bits"], overlap="ov" in rest, bucket_cap_mb=cfg["bucket_mb"])
             self.opt.check_replicas()
         self.step_s: list[float] = []
         self.fwd_bwd_s: list[float] = []

@@ -130,9 +130,9 @@ def plot(results: list[dict], methods: list[str], path: str, title: str) -> None
 
     fig, ax = plt.subplots(figsize=(10, 6.5))
     rated = [r for r in results if r["rate_bps"]]
-    colors = {"g-adamw": "tab:gray", "g-lion": "tab:red", "g-lion-bf16": "tab:orange",
-              "g-lion-powersgd": "tab:brown", "allgather": "tab:purple", "1bit": "tab:blue", "pbit": "tab:green",
-              "quant": "tab:olive"}
+    colors = {"g-adamw": "tab:gray", "g-lion": "tab:red", "g-lion-bf16": "tab:orange", "sync-only": "black",
+              "allgather": "tab:purple", "1bit": "tab:blue", "pbit": "tab:green", "quant": "tab:olive",
+              "powersgd1": "#8c564b", "powersgd2": "#e377c2", "powersgd4": "#bcbd22"}
     if rated:
         for m in methods:
             pts = sorted((r["rate_bps"] / 1e6, r["ms_per_step"]) for r in rated if r["method"] == m)
@@ -142,13 +142,15 @@ def plot(results: list[dict], methods: list[str], path: str, title: str) -> None
             if m == "compute":
                 style = dict(color="black", ls="--", lw=2)
             elif m in BASELINES:
-                style = dict(color=colors.get(m, "tab:brown" if "powersgd" in m else "tab:gray"), ls="-", lw=2,
+                key = m.split("-")[-1] if "powersgd" in m else m
+                style = dict(color=colors.get(key, "tab:gray"), ls=":" if m == "sync-only" else "-", lw=2,
                              marker="o" if "adamw" not in m else "s")
             else:  # D-Lion: colour = algorithm, marker = vote, dashed = overlap on
                 parts = m.split("-")
-                style = dict(color=colors[parts[2]], ls="--" if m.endswith("-ov") else ":", lw=1.3,
+                style = dict(color=colors[parts[2]] if not m.endswith("-rt") else "tab:cyan",
+                             ls="--" if "-ov" in m else ":", lw=1.8,
                              marker="s" if parts[1] == "mavo" else "^", ms=5,
-                             fillstyle="full" if m.endswith("-ov") else "none")
+                             fillstyle="full" if "-ov" in m else "none")
             ax.plot(xs, ys, label=label(m), **style)
         ax.set_xscale("log")
         ax.set_yscale("log")
