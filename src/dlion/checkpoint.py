@@ -311,7 +311,9 @@ def save(path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
         mine = {
             "optimizer": optimizer.state_dict() if optimizer is not None else None,
             "rng": _rng_state(),
-            "digests": [(name, _tensor_digest(t)) for name, t in model.state_dict().items()]
+            # Parameters must be identical on every rank; buffers (BatchNorm running statistics) are
+            # rank-local, like DDP with broadcast_buffers=False, so they are not compared (rank 0's are saved).
+            "digests": [(name, _tensor_digest(t.detach())) for name, t in model.named_parameters()]
                        if verify_replicas and distributed and world > 1 else None,
         }
     if distributed and world > 1:
@@ -369,7 +371,7 @@ def _compare_replicas(everyone: list) -> None:
     for r, e in enumerate(everyone[1:], start=1):
         for (name, a), (_, b) in zip(ref, e["digests"]):
             if a != b:
-                raise DesyncError(f"refusing to save: model entry {name!r} differs between rank 0 and rank {r}; "
+                raise DesyncError(f"refusing to save: parameter {name!r} differs between rank 0 and rank {r}; "
                                   "replicas have diverged.")
 
 

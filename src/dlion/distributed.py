@@ -178,6 +178,8 @@ class DistributedLion(Lion):
         check_options(comm, aggregate, vote, quant_norm, quant_bits, momentum_sync, bucket_cap_mb,
                       check_every, nonfinite, sign_hook)
         self._ready = False
+        params = list(params)
+        _reject_unsupported(params)
         super().__init__(params, lr, betas, weight_decay, maximize=maximize, foreach=foreach)
         self.process_group = process_group
         self.world_size = world
@@ -190,6 +192,8 @@ class DistributedLion(Lion):
         self.bucket_cap_mb = bucket_cap_mb
         self.comm_stats = CommStats()
         self.skipped_steps = 0
+        self.warn_after_skips = 10
+        self._skips_in_a_row = 0
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._group_of = [g for g in self.param_groups for _ in g["params"]]
         self.num_params = sum(p.numel() for p in self._params if p.requires_grad)
@@ -381,6 +385,11 @@ class DistributedLion(Lion):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
         if self.world_size == 1:
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
+                raise RuntimeError(
+                    "DistributedLion was built before torch.distributed.init_process_group(), so it is plain Lion "
+                    f"on one rank, but the process group now has {dist.get_world_size(self.process_group)} ranks: "
+                    "their replicas would diverge. Build the optimizer after init_process_group().")
             loss = super().step(closure)
             self.comm_stats.steps += 1
             return loss
@@ -422,10 +431,20 @@ class DistributedLion(Lion):
                     f"DistributedLion: a rank has inf/NaN gradients at step {step_no}; no rank changed anything.")
             self.skipped_steps += 1
             self.comm_stats.steps += 1
+            self._skips_in_a_row += 1
+            if self._skips_in_a_row == self.warn_after_skips:
+                ranks = sorted({r for o in outcomes for r in o.ranks_nonfinite})
+                who = f"rank(s) {', '.join(map(str, ranks))}" if ranks else "some rank (this comm does not say which)"
+                warnings.warn(f"DistributedLion: {self._skips_in_a_row} steps in a row skipped because {who} had "
+                              "inf/NaN gradients; training is not progressing (check that rank's data and loss "
+                              "scale, or use nonfinite='raise').", RuntimeWarning, stacklevel=3)
             return
+        self._skips_in_a_row = 0
         for k, (b, o) in enumerate(zip(self.buckets, outcomes)):
             self._apply(k, b, o, st.present[k])
         self.comm_stats.steps += 1
+        if step_no == 0:
+            self._warn_if_gradients_identical()
         if momentum_sync_due(self.momentum_sync, self.comm_stats.steps):
             self.synchronize_momenta()
         if self.check_every and self.comm_stats.steps % self.check_every == 0:
@@ -448,6 +467,20 @@ class DistributedLion(Lion):
             self._steps[k].add_(o.has_grad.to(self._steps[k].dtype))
         if any(present):
             update_momentum(b, self._buffers[k], present, group["betas"][1], self._scratch)
+
+    def _warn_if_gradients_identical(self) -> None:
+        """After the first step: gradients bitwise equal on every rank mean that something
+        (DistributedDataParallel, usually) already averaged them — paying for an fp32
+        all-reduce *and* the vote. One small all-gather of checksums, once."""
+        mine = torch.stack([_checksum(buf.grad) for buf in self._buffers]).view(torch.int32).reshape(-1)
+        work, everyone = self._first.issue("all_gather", mine.to(self.buckets[0].device), "check")
+        work.wait()
+        table = everyone.cpu().view(self.world_size, -1)
+        if bool((table == table[0]).all()) and bool(mine.any()):
+            warnings.warn("DistributedLion: the gradients are identical on every rank. Is the model wrapped in "
+                          "DistributedDataParallel (or are all ranks fed the same batch)? DistributedLion replaces "
+                          "DDP's all-reduce: with both, every step pays for the fp32 all-reduce and the vote, and "
+                          "the momenta of the ranks are identical. Use the bare model.", RuntimeWarning, stacklevel=4)
 
     def _check_frozen(self) -> None:
         for p in self._frozen:
@@ -606,6 +639,33 @@ def check_options(comm, aggregate, vote, quant_norm, quant_bits, momentum_sync, 
         raise ValueError(f"check_every must be an int >= 0, got {check_every!r}")
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"Unknown nonfinite {nonfinite!r}; choose one of {', '.join(map(repr, NONFINITE_POLICIES))}.")
+
+
+def _reject_unsupported(params: list) -> None:
+    """Meta tensors and DTensors cannot be replicated by a broadcast; say so at construction."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # older torch
+        DTensor = ()
+    flat = []
+    for item in params:
+        if isinstance(item, dict):
+            ps = item.get("params", [])
+            ps = item["params"] = [ps] if isinstance(ps, Tensor) else list(ps)
+            flat.extend(ps)
+        else:
+            flat.append(item)
+    for i, p in enumerate(flat):
+        if DTensor and isinstance(p, DTensor):
+            raise ValueError(
+                f"DistributedLion: parameter {i} (shape {tuple(p.shape)}) is a DTensor (FSDP2 fully_shard or tensor "
+                "parallel). DistributedLion replicates whole parameters across the data-parallel group and would "
+                "overwrite every rank's shard with rank 0's; use it on plain, replicated parameters.")
+        if isinstance(p, Tensor) and p.is_meta:
+            raise ValueError(
+                f"DistributedLion: parameter {i} (shape {tuple(p.shape)}) is on the meta device (no data). "
+                "Materialise the model first (e.g. model.to_empty(device=...) and initialise it), then build the "
+                "optimizer.")
 
 
 def _checked_hook_output(out, n: int) -> Tensor:

@@ -1,0 +1,120 @@
+"""What real training scripts get wrong, on real Gloo ranks: each ends in a clear error on
+every rank (nothing changed) or a consistent, correct result; a hang fails by timeout."""
+
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import dlion
+from dlion import checkpoint
+from dlion.lab.spawn import spawn
+
+
+def test_meta_parameters_are_rejected_at_construction():
+    with pytest.raises(ValueError, match="parameter 0 \\(shape \\(3, 2\\)\\) is on the meta device"):
+        dlion.DistributedLion([torch.empty(3, 2, device="meta", requires_grad=True)])
+
+
+def dtensor_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    p = nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]))
+    try:
+        dlion.DistributedLion([p], lr=0.1)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_dtensor_parameters_are_rejected_at_construction():
+    for err in spawn(dtensor_worker, 2, timeout_s=30):
+        assert err is not None and "is a DTensor (FSDP2 fully_shard or tensor parallel)" in err
+
+
+def built_too_early_worker(rank, world):
+    # (spawn initialises the group first; destroy it, build, and re-initialise, as a script would)
+    store = os.environ.get("DLION_TEST_STORE")
+    p = torch.ones(3, requires_grad=True)
+    dist.destroy_process_group()
+    opt = dlion.DistributedLion([p], lr=0.1)   # no process group yet: plain Lion
+    dist.init_process_group("gloo", init_method=f"file://{store}.2", rank=rank, world_size=world)
+    p.grad = torch.ones(3)
+    try:
+        opt.step()
+    except RuntimeError as e:
+        return str(e), torch.equal(p.detach(), torch.ones(3))
+    return None, False
+
+
+def test_optimizer_built_before_init_process_group_raises_at_step(tmp_path):
+    os.environ["DLION_TEST_STORE"] = str(tmp_path / "store")
+    for err, unchanged in spawn(built_too_early_worker, 3, timeout_s=30):
+        assert err is not None and "built before torch.distributed.init_process_group()" in err and unchanged
+
+
+def nan_worker(rank, world):
+    p = torch.ones(4, requires_grad=True)
+    opt = dlion.DistributedLion([p], lr=0.1, comm="1bit")
+    opt.warn_after_skips = 3
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            p.grad = torch.full((4,), float("nan")) if rank == 1 else torch.ones(4)
+            opt.step()
+    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)], opt.skipped_steps
+
+
+def test_a_rank_with_nan_every_step_is_named_after_k_skipped_steps():
+    for msgs, skipped in spawn(nan_worker, 3, timeout_s=30):
+        assert skipped == 4
+        assert len(msgs) == 1 and "3 steps in a row skipped because rank(s) 1 had inf/NaN gradients" in msgs[0]
+
+
+def ddp_wrapped_worker(rank, world):
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    net = nn.parallel.DistributedDataParallel(model)
+    opt = dlion.DistributedLion(model.parameters(), lr=0.1)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        net(x).sum().backward()
+        opt.step()
+    return [str(w.message) for w in caught if "identical on every rank" in str(w.message)]
+
+
+def test_a_model_wrapped_in_ddp_gets_a_warning():
+    for msgs in spawn(ddp_wrapped_worker, 2, timeout_s=60):
+        assert len(msgs) == 1 and "DistributedDataParallel" in msgs[0]
+
+
+def batchnorm_worker(rank, world, path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    opt = dlion.DistributedLion(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(16, 5, generator=g)).pow(2).mean().backward()
+        opt.step()
+    checkpoint.save(path, model, opt)  # running statistics differ per rank: saved from rank 0, not compared
+    fresh = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    opt2 = dlion.DistributedLion(fresh.parameters(), lr=0.01)
+    checkpoint.load(path, fresh, opt2)
+    return ([p.detach().clone() for p in model.parameters()], [p.detach().clone() for p in fresh.parameters()],
+            model[1].running_mean.clone(), fresh[1].running_mean.clone())
+
+
+def test_checkpoints_save_models_with_batchnorm(tmp_path):
+    results = spawn(batchnorm_worker, 2, str(tmp_path / "ck.pt"), timeout_s=60)
+    assert not torch.equal(results[0][2], results[1][2])  # the running means are rank-local
+    for params, loaded, _, loaded_mean in results:
+        for a, b in zip(params, loaded):
+            assert torch.equal(a, b)
+        assert torch.equal(loaded_mean, results[0][2])  # every rank resumes with rank 0's buffers
