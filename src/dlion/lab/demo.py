@@ -198,11 +198,13 @@ broadcast or the final check).
     parameter sent and as many received ({ring} + {ring} for N={n}).
   D-Lion (comm=1bit): all-to-all of the local signs, then all-gather of the
     aggregated codes: (up + down) x (N-1)/N bits per parameter each way.
-    up = 1 bit, or 1.6 (base-3) in a bucket where some rank has an exactly-zero
-    update (e.g. a dead ReLU unit: such coordinates abstain from the vote);
-    down = 1 bit for MaVo with odd N and no abstentions, else 1.6; for Avg
+    up = 1 bit; coordinates whose update is exactly zero (e.g. dead ReLU
+    units) abstain and travel as zero runs in a small header, or, when they
+    are too scattered for that (as in this CNN), the bucket goes as base-3
+    digits (1.6 bits); down = 1 bit (+ zero runs of the result) for MaVo,
+    base-3 when those runs do not fit (ties at even N); for Avg
     ceil(log2(N+1)) bits, or ceil(log2(2N+1)) with abstentions.
-    Plus a few flag bytes per bucket and step.
+    Plus a header of a few dozen bytes per bucket, block and step.
 Wall times: N processes share this machine's cores; compare them only within
 one run."""
 
