@@ -154,6 +154,7 @@ def test_bytes_on_the_wire_are_counted_exactly_and_stay_near_the_bound(world):
         a2a = kinds.count("all_to_all_single")
         ag = kinds.count("all_gather_single") + kinds.count("all_gather_into_tensor")
         assert a2a + ag == len(kinds)
+        ag -= 1  # after the first step: one all-gather of gradient checksums (the DDP-wrapped-model warning)
         if cfg.get("dense"):
             assert a2a == ag == buckets * STEPS, (cfg, kinds)
         else:  # ... plus at most one re-send in base 3 per bucket and direction: the format switch is sticky

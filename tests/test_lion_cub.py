@@ -67,7 +67,7 @@ def test_quantized_aggregation_matches_literal_reference(norm, bits):
         for k, (got, want) in enumerate(zip(params, x)):
             assert torch.equal(got, want), (norm, rank, k)
     stats = results[0][1]
-    assert set(stats["by_kind"]) == {"quantized"}  # one packed-field all-reduce, no sign traffic
+    assert set(stats["by_kind"]) == {"quantized", "check"}  # packed-field all-reduces, no sign traffic
 
 
 # -- momentum synchronisation ----------------------------------------------------

@@ -109,6 +109,7 @@ class RankBuffers:
         self.values = torch.zeros(b.padded, dtype=torch.int8, device=b.device)
         self.grad_views = b.views(self.grad)
         self.momentum_views = b.views(self.momentum)
+        self.work_views = b.views(self.work)
 
 
 class Scratch:
@@ -183,6 +184,25 @@ def update_momentum(b: Bucket, buf: RankBuffers, present: list[bool], beta2: flo
         m.mul_(beta2).add_(torch.mul(g, 1.0 - beta2, out=scratch.get(g)))
 
 
+def apply_scaled_delta(params: list[Tensor], scaled: list[Tensor], lr: float, weight_decay: float) -> None:
+    """x ← x·(1 − η·λ); x ← x − (η·Δ) for parameters kept as separate tensors (their storage is
+    the user's: checkpoints and safetensors see ordinary parameters), given η·Δ per parameter:
+    two multi-tensor operations, the same two roundings as :func:`dlion.lion.apply_update`."""
+    low = [p for p in params if p.dtype in _LOW_PRECISION]
+    if low:  # in fp32, rounded once to the parameter's dtype
+        for p, u in zip(params, scaled):
+            w = p.float() if p.dtype in _LOW_PRECISION else p
+            if weight_decay != 0.0:
+                w.mul_(1.0 - lr * weight_decay)
+            w.sub_(u)
+            if w is not p:
+                p.copy_(w)
+        return
+    if weight_decay != 0.0:
+        torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+    torch._foreach_sub_(params, scaled)
+
+
 def apply_delta(params: list[Tensor], deltas: list[Tensor], lr: float, weight_decay: float, scratch: Scratch) -> None:
     """x ← x·(1 − η·λ); x ← x − η·Δ on flat slices, in fp32 for low-precision parameters
     (the same two roundings as :func:`dlion.lion.apply_update`)."""
@@ -200,4 +220,4 @@ def _all_finite(c: Tensor) -> bool:
     return bool(torch.isfinite(torch.stack(torch.aminmax(c.reshape(-1)))).all()) if c.numel() else True
 
 
-__all__ += ["RankBuffers", "Scratch", "contribute", "update_momentum", "apply_delta", "has_zeros", "Contribution"]
+__all__ += ["RankBuffers", "Scratch", "contribute", "update_momentum", "apply_delta", "apply_scaled_delta", "has_zeros", "Contribution"]

@@ -46,7 +46,8 @@ from torch.profiler import record_function
 
 from .aggregation import VoteRule, coin_key
 from .algorithms import ALGORITHMS, BAD, NONFINITE, Contribution, Outcome, WireState, choose_algorithm, make_algorithm
-from .buckets import Bucket, RankBuffers, Scratch, apply_delta, contribute, layout_buckets, update_momentum, work_dtype
+from .buckets import (Bucket, RankBuffers, Scratch, apply_scaled_delta, contribute, layout_buckets,
+                      update_momentum, work_dtype)
 from .collectives import CommStats, GroupTransport
 from .lion import Lion, _LOW_PRECISION, check_grad
 from .quantize import NORMS, levels
@@ -209,7 +210,6 @@ class DistributedLion(Lion):
             self.buckets = layout_buckets(self._params, self._group_of, world, bucket_cap_mb)
             self._buffers = [RankBuffers(b) for b in self.buckets]
             self._scratch = Scratch()
-            self._flatten_parameters()
             self._algorithms = [self._algorithm_for(b) for b in self.buckets]
             self._wire = [WireState(up="narrow" if a.name == "pbit" else "runs") for a in self._algorithms]
             self._trainable = {id(p) for b in self.buckets for p in b.params}
@@ -281,35 +281,6 @@ class DistributedLion(Lion):
             flat = torch.cat([p.detach().reshape(-1) for p in ps])
             dist.broadcast(flat, src=src, group=self.process_group)
             _scatter_flat(flat, ps)
-
-    @torch.no_grad()
-    def _flatten_parameters(self) -> None:
-        """Make each bucket's parameters views of one flat tensor, so that applying Δ costs a
-        few operations per bucket whatever the number of parameters (values are unchanged)."""
-        self._flat_params = []
-        for b in self.buckets:
-            flat = torch.empty(b.numel, dtype=b.params[0].dtype, device=b.device)
-            for p, view in zip(b.params, b.views(flat)):
-                view.copy_(p)
-                p.data = view
-            self._flat_params.append(flat)
-        self._param_ptrs = [[p.data_ptr() for p in b.params] for b in self.buckets]
-
-    def _check_flat(self) -> None:
-        """Parameters whose storage was replaced (``p.data = …``) are copied back into their bucket."""
-        for k, b in enumerate(self.buckets):
-            if [p.data_ptr() for p in b.params] == self._param_ptrs[k]:
-                continue
-            for p, view, ptr in zip(b.params, b.views(self._flat_params[k]), self._param_ptrs[k]):
-                if p.data_ptr() != ptr:
-                    if p.shape != view.shape or p.dtype != view.dtype or p.device != view.device:
-                        raise RuntimeError(
-                            f"DistributedLion: a parameter of shape {tuple(view.shape)} was replaced by one of "
-                            f"shape {tuple(p.shape)}, dtype {p.dtype} on {p.device} after the optimizer was built; "
-                            "build the optimizer after changing the model.")
-                    with torch.no_grad():
-                        view.copy_(p)
-                        p.data = view
 
     def bucket_layout(self) -> list[Optional[tuple[int, int, int]]]:
         """(bucket index, offset, padded bucket length) of every parameter, in parameter
@@ -398,7 +369,6 @@ class DistributedLion(Lion):
             with torch.enable_grad():
                 loss = closure()
         self._check_frozen()
-        self._check_flat()
         step_no = self.comm_stats.steps
         if self._step is None:
             self._step = _Step(self)
@@ -437,7 +407,7 @@ class DistributedLion(Lion):
                 who = f"rank(s) {', '.join(map(str, ranks))}" if ranks else "some rank (this comm does not say which)"
                 warnings.warn(f"DistributedLion: {self._skips_in_a_row} steps in a row skipped because {who} had "
                               "inf/NaN gradients; training is not progressing (check that rank's data and loss "
-                              "scale, or use nonfinite='raise').", RuntimeWarning, stacklevel=3)
+                              "scale, or use nonfinite='raise').", RuntimeWarning, stacklevel=4)
             return
         self._skips_in_a_row = 0
         for k, (b, o) in enumerate(zip(self.buckets, outcomes)):
@@ -451,19 +421,23 @@ class DistributedLion(Lion):
             self.check_replicas()
 
     def _apply(self, k: int, b: Bucket, o: Outcome, present: list[bool]) -> None:
-        """x ← x·(1 − η·λ) − η·Δ on the bucket's flat parameters (those some rank had a gradient
-        for), then this rank's momentum update."""
+        """x ← x·(1 − η·λ) − η·Δ for the parameters some rank had a gradient for (η·Δ computed
+        once on the flat bucket, then two multi-tensor operations), then this rank's momentum update."""
         group = b.group
         active = o.has_grad.tolist()
         if any(active):
-            update = self._buffers[k].work
+            buf = self._buffers[k]
+            update = buf.work
             update.copy_(o.codes[:b.numel])
             if self.rule.vote == "avg":
                 update.div_(self.world_size)
-            flat = self._flat_params[k]
-            spans = [(0, b.numel)] if all(active) else b.ranges(active)
-            apply_delta([flat[lo:hi] for lo, hi in spans], [update[lo:hi] for lo, hi in spans],
-                        group["lr"], group["weight_decay"], self._scratch)
+            update.mul_(group["lr"])  # η·Δ, rounded once like torch.mul(Δ, η)
+            if all(active):
+                ps, us = b.params, buf.work_views
+            else:
+                ps = [p for p, a in zip(b.params, active) if a]
+                us = [u for u, a in zip(buf.work_views, active) if a]
+            apply_scaled_delta(ps, us, group["lr"], group["weight_decay"])
             self._steps[k].add_(o.has_grad.to(self._steps[k].dtype))
         if any(present):
             update_momentum(b, self._buffers[k], present, group["betas"][1], self._scratch)
@@ -480,7 +454,7 @@ class DistributedLion(Lion):
             warnings.warn("DistributedLion: the gradients are identical on every rank. Is the model wrapped in "
                           "DistributedDataParallel (or are all ranks fed the same batch)? DistributedLion replaces "
                           "DDP's all-reduce: with both, every step pays for the fp32 all-reduce and the vote, and "
-                          "the momenta of the ranks are identical. Use the bare model.", RuntimeWarning, stacklevel=4)
+                          "the momenta of the ranks are identical. Use the bare model.", RuntimeWarning, stacklevel=5)
 
     def _check_frozen(self) -> None:
         for p in self._frozen:

@@ -123,6 +123,9 @@ class SimulatedDistributedLion:
                 if any(present[i]):
                     update_momentum(b, self.buffers[i][kb], present[i], self.betas[1], self.scratch)
         self.comm_stats.steps += 1
+        if step == 0:  # DistributedLion's one-time check for identical gradients: 16 bytes per bucket and rank
+            simulate_collective("all_gather", [torch.zeros(4 * len(self.buckets), dtype=torch.int32)] * N,
+                                self.comm_stats, "check")
         if momentum_sync_due(self.momentum_sync, self.comm_stats.steps):
             self.synchronize_momenta()
 
