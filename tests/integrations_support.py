@@ -22,6 +22,30 @@ try:  # the spawn helper may move with the rest of the tooling
 except ImportError:
     from dlion.spawn import spawn  # noqa: F401
 
+def need(module: str):
+    """Import ``module`` or skip the test module — except when DLION_REQUIRE_INTEGRATIONS=1
+    (scripts/test.sh sets it; its environment installs the pinned frameworks), where a
+    missing framework is an error rather than a silent skip."""
+    import importlib
+
+    import pytest
+
+    if os.environ.get("DLION_REQUIRE_INTEGRATIONS") == "1":
+        return importlib.import_module(module)
+    return pytest.importorskip(module)
+
+
+def require_proc_io():
+    """Skip where /proc/self/io is missing (not Linux) — an error under DLION_REQUIRE_INTEGRATIONS=1."""
+    import pytest
+
+    if proc_io_available():
+        return
+    if os.environ.get("DLION_REQUIRE_INTEGRATIONS") == "1":
+        raise RuntimeError("the integration tests count bytes through /proc/self/io (Linux)")
+    pytest.skip("needs Linux /proc/self/io to count bytes")
+
+
 WORLD = 2
 WORKER_TIMEOUT_S = 90  # a worker that is still running after this dumps its stacks and exits (a hang fails)
 PG_TIMEOUT_S = 60.0

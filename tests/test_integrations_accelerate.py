@@ -8,8 +8,10 @@ import warnings
 import pytest
 import torch
 
-pytest.importorskip("accelerate")
-pytest.importorskip("transformers")
+from integrations_support import need, require_proc_io  # noqa: E402
+
+need("accelerate")
+need("transformers")
 
 import torch._dynamo  # noqa: E402,F401  torch.optim imports it lazily; once here, not in every forked worker
 import transformers  # noqa: E402,F401  imported before forking, like the others
@@ -20,7 +22,7 @@ import dlion  # noqa: E402
 from dlion.integrations import TESTED_VERSIONS, CommMeter, unwrap_optimizer  # noqa: E402
 from dlion.integrations import accelerate as dlion_accelerate  # noqa: E402
 from integrations_support import (WORLD, PG_TIMEOUT_S, TokenData, Window, assert_bitwise_equal,  # noqa: E402
-                                  assert_replicas_and_momenta, proc_io_available, snapshot, spawn, start_worker,
+                                  assert_replicas_and_momenta, snapshot, spawn, start_worker,
                                   stop_watchdog, tiny_gpt2)
 
 ACCUM = 2          # micro-batches per optimizer step
@@ -107,8 +109,8 @@ def worker(rank, world, tmp):
         stop_watchdog()
 
 
-@pytest.mark.skipif(not proc_io_available(), reason="needs Linux /proc/self/io to count bytes")
 def test_accelerate_loop_votes_resumes_bitwise_and_skips_the_allreduce(tmp_path):
+    require_proc_io()
     res = spawn(worker, WORLD, str(tmp_path), timeout_s=PG_TIMEOUT_S)
     P = res[0]["num_params"]
     assert not any(r["wrapped"] for r in res) and all(r["control_wrapped"] for r in res)

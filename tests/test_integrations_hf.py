@@ -9,8 +9,10 @@ import warnings
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
+from integrations_support import need, require_proc_io  # noqa: E402
+
+need("transformers")
+need("accelerate")
 
 import torch._dynamo  # noqa: E402,F401  torch.optim imports it lazily; once here, not in every forked worker
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
@@ -18,7 +20,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E4
 import dlion  # noqa: E402
 from dlion.integrations import hf as dlion_hf  # noqa: E402
 from integrations_support import (WORLD, PG_TIMEOUT_S, TokenData, Window, assert_bitwise_equal,  # noqa: E402
-                                  assert_replicas_and_momenta, proc_io_available, snapshot, spawn, start_worker,
+                                  assert_replicas_and_momenta, snapshot, spawn, start_worker,
                                   stop_watchdog, tiny_gpt2)
 
 K = 3  # optimizer steps before the checkpoint; the runs go to 2K
@@ -95,8 +97,8 @@ def worker(rank, world, tmp):
         stop_watchdog()
 
 
-@pytest.mark.skipif(not proc_io_available(), reason="needs Linux /proc/self/io to count bytes")
 def test_trainer_votes_checkpoints_every_rank_and_resumes_bitwise(tmp_path):
+    require_proc_io()
     res = spawn(worker, WORLD, str(tmp_path), timeout_s=PG_TIMEOUT_S)
     P = res[0]["num_params"]
     assert not any(r["wrapped"] for r in res) and all(r["control_wrapped"] for r in res)

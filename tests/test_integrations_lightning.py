@@ -10,7 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("lightning")
+from integrations_support import need, require_proc_io  # noqa: E402
+
+need("lightning")
 
 import torch._dynamo  # noqa: E402,F401  torch.optim imports it lazily; once here, not in every forked worker
 import lightning.pytorch as L  # noqa: E402
@@ -20,7 +22,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry  # noqa: 
 import dlion  # noqa: E402
 from dlion.integrations import lightning as dlion_lightning  # noqa: E402
 from integrations_support import (WORLD, PG_TIMEOUT_S, TokenData, Window, assert_bitwise_equal,  # noqa: E402
-                                  assert_replicas_and_momenta, proc_io_available, snapshot, spawn, start_worker,
+                                  assert_replicas_and_momenta, snapshot, spawn, start_worker,
                                   stop_watchdog)
 
 VOCAB = 256
@@ -124,8 +126,8 @@ def worker(rank, world, tmp):
         stop_watchdog()
 
 
-@pytest.mark.skipif(not proc_io_available(), reason="needs Linux /proc/self/io to count bytes")
 def test_lightning_strategy_votes_checkpoints_every_rank_and_resumes_bitwise(tmp_path):
+    require_proc_io()
     res = spawn(worker, WORLD, str(tmp_path), timeout_s=PG_TIMEOUT_S)
     P = res[0]["num_params"]
     assert all(r["wrapped"] == {False} and r["control_wrapped"] == {True} for r in res)
