@@ -38,7 +38,11 @@ with a ``GradScaler`` (the scaler skips ``step()`` on a rank whose gradients
 overflowed while the other ranks wait for its vote; use bf16, or fp32, and
 ``DistributedLion(nonfinite="skip")``, which skips a step on every rank together).
 ``accelerator.clip_grad_norm_`` clips each rank's own gradient; see the usage
-documentation for what that does to the vote.
+documentation for what that does to the vote. Do not clip (or otherwise change
+gradients after backward) with ``DistributedLion(overlap=True)``: its
+communication thread reads the gradients during backward, so the clipping would
+race with it (the Trainer and Lightning adapters refuse that combination; a
+hand-written loop cannot be checked).
 """
 
 from __future__ import annotations
