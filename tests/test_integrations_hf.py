@@ -172,6 +172,11 @@ def refusals_worker(rank, world, tmp):
             trainer.create_optimizer()
         with pytest.raises(ValueError, match="GradScaler can skip step"):
             dlion_hf.DLionTrainer(model=tiny_gpt2(seed=0), train_dataset=data, args=make_args(tmp, fp16=True))
+        # A weight decay among the optimizer kwargs is overridden by the Trainer's groups: warned.
+        trainer = dlion_hf.DLionTrainer(model=tiny_gpt2(seed=0), train_dataset=data, args=make_args(tmp),
+                                        optimizer_cls_and_kwargs=(dlion.DistributedLion, {"weight_decay": 0.5}))
+        with pytest.warns(UserWarning, match="overridden by the Trainer's parameter groups"):
+            trainer.create_optimizer()
         # Without optimizer arguments it builds a DistributedLion from the TrainingArguments.
         trainer = dlion_hf.DLionTrainer(model=tiny_gpt2(seed=0), train_dataset=data,
                                         args=make_args(tmp, learning_rate=1e-4, weight_decay=0.1))

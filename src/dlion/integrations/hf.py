@@ -4,7 +4,9 @@
 
 * builds a :class:`dlion.DistributedLion` on every rank inside ``train()`` (from
   ``optimizer_cls_and_kwargs=(DistributedLion, {...})``; without it, from
-  ``args.learning_rate`` and ``args.weight_decay``);
+  ``args.learning_rate``). As for any Trainer optimizer, the weight decay comes
+  from ``args.weight_decay`` (the Trainer's parameter groups: weights decay,
+  biases and norms do not); a ``weight_decay`` in the kwargs is overridden (warned);
 * prepares the model through Accelerate *without* the DistributedDataParallel
   wrapper (``prepare_model(model, evaluation_mode=True)``, which also marks it
   prepared, so the Trainer's own ``accelerator.prepare`` leaves it alone): no fp32
@@ -103,6 +105,12 @@ class DLionTrainer(Trainer):
         return require_dlion(self.optimizer, "DLionTrainer")
 
     def create_optimizer(self, model=None):
+        kwargs = (self.optimizer_cls_and_kwargs or (None, {}))[1]
+        if self.optimizer is None and "weight_decay" in kwargs and kwargs["weight_decay"] != self.args.weight_decay:
+            warnings.warn(f"DLionTrainer: weight_decay={kwargs['weight_decay']} in optimizer_cls_and_kwargs is "
+                          f"overridden by the Trainer's parameter groups (args.weight_decay={self.args.weight_decay} "
+                          "for weights, 0 for biases and norms); set TrainingArguments(weight_decay=...).",
+                          stacklevel=2)
         opt = super().create_optimizer(model)
         inner = require_dlion(opt, "DLionTrainer")
         if inner.overlap and self.args.max_grad_norm and self.args.max_grad_norm > 0:
