@@ -2,6 +2,7 @@
 gradient accumulation through accelerator.accumulate(), bitwise resume from
 accelerator.save_state/load_state with every rank's momenta."""
 
+import inspect
 import os
 import warnings
 
@@ -143,3 +144,21 @@ def test_accelerate_loop_votes_resumes_bitwise_and_skips_the_allreduce(tmp_path)
     assert_replicas_and_momenta([r["after_load"] for r in res])
     files = sorted(os.listdir(tmp_path / "ckpt"))
     assert [f"optimizer_rank{r}.pt" for r in range(WORLD)] == [f for f in files if f.startswith("optimizer_rank")]
+
+
+def test_accelerate_behaviour_the_adapter_relies_on_is_pinned():
+    """prepare_model(evaluation_mode=True) skips the DDP wrap and marks the model prepared;
+    save_state runs the save pre-hooks; load_state loads optimizer.bin into every optimizer
+    *before* the registered objects (so the per-rank files win)."""
+    from accelerate import Accelerator, checkpointing
+
+    src = inspect.getsource(Accelerator.prepare_model)
+    assert "if not evaluation_mode:" in src and "model._is_accelerate_prepared = True" in src
+    assert src.index("if not evaluation_mode:") < src.index("DistributedDataParallel(")
+    save = inspect.getsource(Accelerator.save_state)
+    assert "hook(self._models, weights, output_dir)" in save
+    load = inspect.getsource(Accelerator.load_state)
+    assert load.index("hook(models, input_dir)") < load.index("load_accelerator_state(") \
+        < load.index("load_custom_state(obj, input_dir, index)")
+    assert "optimizers[i].load_state_dict(optimizer_state)" in inspect.getsource(
+        checkpointing.load_accelerator_state)
