@@ -1,5 +1,6 @@
-"""The framework examples run (2 processes, a few steps), resume from their checkpoints and
-report the vote's traffic."""
+"""The framework examples run (2 processes, a few steps), write every rank's optimizer state
+and report the vote's traffic. One launch each (starting the processes and importing the
+frameworks dominates); resuming is covered by the adapters' own tests."""
 
 import os
 import re
@@ -8,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from integrations_support import need
 
@@ -30,10 +30,9 @@ def torchrun(script, *args):
 
 def test_hf_trainer_example(tmp_path):
     need("transformers")
-    run(torchrun("hf_trainer.py", "--out", "out", "--steps", "20"), tmp_path)
+    out = run(torchrun("hf_trainer.py", "--out", "out", "--steps", "20"), tmp_path)
     assert {"optimizer_rank0.pt", "optimizer_rank1.pt"} <= set(os.listdir(tmp_path / "out" / "checkpoint-20"))
-    out = run(torchrun("hf_trainer.py", "--out", "out", "--steps", "30", "--resume"), tmp_path)
-    bits = float(re.search(r"step 30: loss [\d.]+ .*, ([\d.]+) bits per parameter", out).group(1))
+    bits = float(re.search(r"step 20: loss [\d.]+ .*, ([\d.]+) bits per parameter", out).group(1))
     assert 0 < bits < 4
 
 
@@ -41,8 +40,7 @@ def test_accelerate_loop_example(tmp_path):
     need("accelerate")
     out = run(torchrun("accelerate_loop.py", "--out", "out", "--steps", "20"), tmp_path)
     assert re.search(r"step 20: loss [\d.]+, [\d.]+ bits/param/step", out), out[-2000:]
-    out = run(torchrun("accelerate_loop.py", "--out", "out", "--steps", "30", "--resume"), tmp_path)
-    assert "step 30:" in out and "step 10:" not in out  # continued from step 20
+    assert {"optimizer_rank0.pt", "optimizer_rank1.pt"} <= set(os.listdir(tmp_path / "out" / "state"))
 
 
 def test_lightning_example(tmp_path):
