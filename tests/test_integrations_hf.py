@@ -165,6 +165,10 @@ def refusals_worker(rank, world, tmp):
         trainer = dlion_hf.DLionTrainer(model=tiny_gpt2(seed=0), train_dataset=data,
                                         optimizer_cls_and_kwargs=OPT_OVERLAP, args=make_args(tmp, max_grad_norm=0.0))
         out["overlap_ok"] = isinstance(trainer.create_optimizer(), dlion.DistributedLion)
+        trainer = dlion_hf.DLionTrainer(model=tiny_gpt2(seed=0), train_dataset=data, optimizer_cls_and_kwargs=OPT_OVERLAP,
+                                        args=make_args(tmp, max_grad_norm=0.0, include_num_input_tokens_seen="all"))
+        with pytest.raises(ValueError, match="include_num_input_tokens_seen"):
+            trainer.create_optimizer()
         # Without DDP any optimizer but DistributedLion would let the replicas drift apart.
         trainer = dlion_hf.DLionTrainer(model=tiny_gpt2(seed=0), train_dataset=data, args=make_args(tmp),
                                         optimizer_cls_and_kwargs=(torch.optim.AdamW, {"lr": 1e-3}))

@@ -39,6 +39,7 @@ class TinyLM(L.LightningModule):
         self.block = nn.TransformerEncoderLayer(d_model=64, nhead=2, dim_feedforward=128, dropout=0.0,
                                                 batch_first=True)
         self.head = nn.Linear(64, VOCAB)
+        self.register_buffer("tag", torch.tensor([float(seed)]))  # differs per rank until set-up broadcasts it
         self.optimizer, self.overlap = optimizer, overlap
 
     def training_step(self, batch, batch_idx):
@@ -102,6 +103,7 @@ def worker(rank, world, tmp):
         out["windows"] = counter.window.windows
         out["logged"] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("comm/")}
         out["a"] = snapshot(model, trainer.optimizers[0])
+        out["tag"] = float(model.tag)
         # -- run B: another initialisation, resume from the end of epoch 0 ----------------
         model2 = TinyLM(seed=100 + rank)
         trainer2 = make_trainer(tmp)
@@ -137,6 +139,7 @@ def test_lightning_strategy_votes_checkpoints_every_rank_and_resumes_bitwise(tmp
         assert r["bytes_per_step"] < 0.5 * P, (r["bytes_per_step"], P)
         # block_backward_sync reached the optimizer's no_sync (overlap=True would warn otherwise).
         assert r["warnings"] == [], r["warnings"][:1]
+        assert r["tag"] == 0.0  # rank 0's buffer (the models were built with seed = rank)
         assert r["logged"]["comm/steps"] == 2 * STEPS_PER_EPOCH
         assert 0 < r["logged"]["comm/bits_per_param_per_step"] < 4
         assert "must be a dlion.DistributedLion" in r["errors"][0]

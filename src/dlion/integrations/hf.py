@@ -118,6 +118,11 @@ class DLionTrainer(Trainer):
                 f"DLionTrainer: DistributedLion(overlap=True) sends each bucket's signs from gradient hooks during "
                 f"backward, before the Trainer clips the gradients (max_grad_norm={self.args.max_grad_norm}); the "
                 "clipping would race with the communication thread. Set max_grad_norm=0 or overlap=False.")
+        if inner.overlap and self.args.include_num_input_tokens_seen not in ("no", False):
+            raise ValueError(
+                "DLionTrainer: include_num_input_tokens_seen gathers token counts right after each backward, while "
+                "DistributedLion(overlap=True) is still communicating from its own thread on the same process group; "
+                "the collectives could interleave differently on different ranks. Use one or the other.")
         self.comm_meter = CommMeter(inner)
         return opt
 
