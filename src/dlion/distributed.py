@@ -353,8 +353,15 @@ class DistributedLion(Lion):
             st.advanced += 1
 
     # -- the step ---------------------------------------------------------------
+    #: ``torch.amp.GradScaler.step(opt)`` hands itself to ``step`` (``grad_scaler=``): the gradients are
+    #: unscaled here and the scaler's inf/NaN record becomes the decision of *all* ranks, so every rank
+    #: skips together and the scales stay identical.
+    _step_supports_amp_scaling = True
+
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None):
+    def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler=None):
+        if grad_scaler is not None:
+            return self._scaled_step(closure, grad_scaler)
         if self.world_size == 1:
             if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
                 raise RuntimeError(
@@ -380,6 +387,33 @@ class DistributedLion(Lion):
         self._step = None
         with record_function("dlion.apply"):
             self._finish(step_no, st)
+        return loss
+
+    def _scaled_step(self, closure, scaler):
+        """One step under ``torch.amp.GradScaler``: unscale, vote, and write the global
+        found-inf decision into the scaler's record so that ``scaler.update()`` agrees."""
+        if self.overlap and self.world_size > 1:
+            raise RuntimeError("DistributedLion(overlap=True) sends each bucket during backward, before a "
+                               "GradScaler can unscale the gradients; use overlap=False with GradScaler.")
+        record = scaler._per_optimizer_states[id(self)]  # private: pinned by tests/test_misuse.py
+        if record["stage"].name == "READY":
+            scaler.unscale_(self)
+        found = list(record["found_inf_per_device"].values())
+        if self.world_size == 1:
+            if any(bool(f.item()) for f in found):
+                self.skipped_steps += 1
+                self.comm_stats.steps += 1
+                return None
+            return self.step(closure)
+        policy, self.nonfinite = self.nonfinite, "skip"  # an overflow is routine under a scaler: skip, never raise
+        skipped_before = self.skipped_steps
+        try:
+            loss = self.step(closure)
+        finally:
+            self.nonfinite = policy
+        inf = float(self.skipped_steps > skipped_before)  # every rank took the same decision
+        for f in found:
+            f.fill_(inf)
         return loss
 
     def _finish(self, step_no: int, st: _Step) -> None:
