@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from .instrument import Instrument
 
 POWERSGD = tuple(f"g-{opt}-powersgd{r}" for opt in ("lion", "adamw") for r in (1, 2, 4))
-BASELINES = ("compute", "sync-only", "g-adamw", "g-lion", "g-lion-bf16") + POWERSGD
+BASELINES = ("compute", "sync-only", "g-adamw", "g-lion", "g-lion-bf16") + POWERSGD + ("ddp-dlion-hook",)
 DLION = tuple(f"d-{vote}-{comm}{ov}" for vote in ("mavo", "avg") for comm in ("allgather", "1bit", "pbit")
               for ov in ("", "-ov")) + ("d-mavo-quant", "d-mavo-quant-ov", "d-mavo-1bit-ov-rt")
 METHODS = BASELINES + DLION
@@ -28,7 +28,8 @@ GROUPS = {
 }
 LABELS = {"compute": "compute only (no comm)", "sync-only": "sync only (1 value per bucket)",
           "g-adamw": "G-AdamW (DDP fp32)", "g-lion": "G-Lion (DDP fp32)", "g-lion-bf16": "G-Lion (DDP bf16 hook)",
-          **{m: f"G-{'Lion' if 'lion' in m else 'AdamW'} (DDP PowerSGD rank {m[-1]})" for m in POWERSGD}}
+          **{m: f"G-{'Lion' if 'lion' in m else 'AdamW'} (DDP PowerSGD rank {m[-1]})" for m in POWERSGD},
+          "ddp-dlion-hook": "D-Lion MaVo as a DDP comm hook (allgather)"}
 POWERSGD_START_ITER = 2  # PowerSGD needs >= 2 uncompressed iterations (DDP rebuilds buckets after the first)
 POWERSGD_BUCKET_MB = 1 << 16  # one bucket for PowerSGD (see MethodRun)
 PROFILE_RANGES = ("dlion.contribute", "dlion.exchange", "dlion.apply")
@@ -135,6 +136,12 @@ class MethodRun:
                 hook, state = _sync_only_hook, None
             elif method == "g-lion-bf16":
                 hook, state = default_hooks.bf16_compress_hook, None
+            elif method == "ddp-dlion-hook":
+                from dlion.integrations.ddp import DLionHookState, dlion_hook
+
+                hook = dlion_hook
+                state = DLionHookState(model, betas=betas, vote="mavo", ties=cfg["ties"], comm="allgather")
+                self.hook_state = state  # its comm_stats count what the hook sends (all-gathers, not all-reduces)
             elif method in POWERSGD:  # error feedback and warm start: PowerSGDState's defaults
                 hook = powerSGD_hook.powerSGD_hook
                 state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=int(method[-1]),
@@ -144,7 +151,11 @@ class MethodRun:
             else:
                 hook, state = default_hooks.allreduce_hook, None
             self.net.register_comm_hook(state, _counting(hook, self.tally))
-            if method.startswith("g-adamw"):
+            if method == "ddp-dlion-hook":
+                from dlion.integrations.ddp import ApplyDelta
+
+                self.opt = ApplyDelta(model.parameters(), lr=lr, weight_decay=wd)
+            elif method.startswith("g-adamw"):
                 self.opt = torch.optim.AdamW(model.parameters(), lr=10 * lr, weight_decay=wd / 10)
             else:
                 self.opt = dlion.Lion(model.parameters(), lr=lr, betas=betas, weight_decay=wd)
@@ -166,8 +177,8 @@ class MethodRun:
     def step(self, x, y, measure: bool) -> None:
         inst = self.inst
         if measure and self._start is None:  # first measured step: bytes and profile from here on
-            self._start = ((self.opt.comm_stats.bytes_sent, self.opt.comm_stats.bytes_received)
-                           if not self.is_ddp else None, dict(self.tally))
+            stats = getattr(self.opt, "comm_stats", None) or getattr(getattr(self, "hook_state", None), "comm_stats", None)
+            self._start = ((stats.bytes_sent, stats.bytes_received) if stats is not None else None, dict(self.tally))
         inst.count = self.is_ddp
         inst.current = self.method if measure else None
         try:
@@ -181,8 +192,9 @@ class MethodRun:
         finally:
             inst.current = None
         if measure:
-            if not self.is_ddp:  # bytes up to the last measured step (the profiled steps come after)
-                self._end = (self.opt.comm_stats.bytes_sent, self.opt.comm_stats.bytes_received)
+            stats = getattr(self.opt, "comm_stats", None) or getattr(getattr(self, "hook_state", None), "comm_stats", None)
+            if stats is not None:  # bytes up to the last measured step (the profiled steps come after)
+                self._end = (stats.bytes_sent, stats.bytes_received)
             self.step_s.append(t2 - t0)
             self.fwd_bwd_s.append(t1 - t0)
         self.losses.append(float(loss.detach()))
@@ -208,6 +220,9 @@ class MethodRun:
         inst, m = self.inst, self.method
         if self.is_ddp:
             sent = received = inst.bytes_sent.get(m, 0.0) / steps
+            if m == "ddp-dlion-hook":
+                sent = (self._end[0] - self._start[0][0]) / steps
+                received = (self._end[1] - self._start[0][1]) / steps
             t0 = self._start[1]
             extra = {"all_reduce_calls_per_step": inst.all_reduce_calls.get(m, 0) / steps,
                      "buckets_per_step": (self.tally["buckets"] - t0["buckets"]) / steps,

@@ -84,7 +84,7 @@ def headline(rows: dict) -> Optional[dict]:
     """The fastest method overall, and the best D-Lion MaVo method against the fastest peer
     (every DDP method that communicates), compute-only and sync-only, at one link rate."""
     mavo = {m: r for m, r in rows.items() if m.startswith("d-mavo")}
-    peers = {m: r for m, r in rows.items() if m in BASELINES and m not in ("compute", "sync-only")}
+    peers = {m: r for m, r in rows.items() if m in BASELINES and m not in ("compute", "sync-only", "ddp-dlion-hook")}
     if not mavo or "compute" not in rows:
         return None
     ms = {m: r["ms_per_step"] for m, r in rows.items() if m not in ("compute", "sync-only")}

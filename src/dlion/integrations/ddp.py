@@ -1,0 +1,167 @@
+"""D-Lion as a ``DistributedDataParallel`` communication hook, for code that must keep DDP.
+
+DDP hands the hook each bucket of gradients as soon as backward has produced it
+(and overlaps the hook's communication with the rest of backward). The hook
+replaces the gradient all-reduce with Distributed Lion's vote::
+
+    c = β1·m + (1 − β1)·g,   δ = sign(c)        # this rank's momentum, kept in the hook state
+    m ← β2·m + (1 − β2)·g
+    Δ = vote(δ_1 … δ_N)                          # the library's algorithm objects, no second implementation
+    bucket ← Δ                                   # DDP writes it into every parameter's .grad
+
+and :class:`ApplyDelta` then applies x ← x·(1 − η·λ) − η·Δ (with the same two
+roundings as :class:`dlion.DistributedLion`). Usage::
+
+    ddp = DistributedDataParallel(model)
+    state = DLionHookState(ddp.module, betas=(0.9, 0.99), vote="mavo")
+    ddp.register_comm_hook(state, dlion_hook)
+    opt = ApplyDelta(ddp.parameters(), lr=3e-4, weight_decay=0.1)
+
+What differs from :class:`dlion.DistributedLion` (all consequences of DDP's hook contract):
+
+* **One collective per bucket.** Gloo pairs collectives by the order in which they
+  are issued, and a hook's completion callbacks run at times that differ between
+  ranks, so a second collective issued from a callback (like ``1bit``'s all-gather,
+  or PowerSGD's Q) could be paired with another bucket's. The hook therefore uses a
+  one-collective algorithm: ``comm="allgather"`` (every rank's signs as base-3 digits,
+  (N−1)·1.6 bits per parameter each way) or ``comm="pbit"`` (packed counters in one
+  SUM all-reduce). The result is the same vote.
+* **Unused parameters get zero gradients, not None**: they do not abstain; with
+  g = 0 they vote sign(β1·m) (``find_unused_parameters`` does not change that).
+* **GradScaler**: the hook sees *scaled* gradients; sign(c) mixes m with a scaled g.
+  Not supported: use bf16 autocast without a scaler.
+* **Non-finite gradients** are agreed per bucket, not per step: a bucket with inf/NaN
+  on some rank gets Δ = 0 on every rank (other buckets still move), and
+  ``state.skipped_buckets`` counts it.
+* The momenta live in the hook state: save them per rank with
+  ``state.state_dict()`` / ``load_state_dict`` next to the optimizer's.
+"""
+
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..aggregation import VoteRule, coin_key
+from ..algorithms import Contribution, WireState, make_algorithm, padded_length
+from ..collectives import CommStats, GroupTransport
+from ..lion import check_hyperparameters
+
+__all__ = ["DLionHookState", "dlion_hook", "ApplyDelta"]
+
+_HOOK_COMMS = ("allgather", "pbit")
+
+
+class DLionHookState:
+    """Per-rank state of :func:`dlion_hook`: each parameter's momentum (keyed by its
+    position in ``model.parameters()``, so DDP's bucket rebuild after the first
+    iteration changes nothing), the vote rule, the algorithm and a step counter."""
+
+    def __init__(self, model: torch.nn.Module, betas: tuple[float, float] = (0.9, 0.99), *, vote: str = "mavo",
+                 ties: str = "zero", comm: str = "allgather", seed: int = 0, process_group=None):
+        check_hyperparameters(1.0, betas, 0.0)
+        if comm not in _HOOK_COMMS:
+            raise ValueError(f"comm must be one of {', '.join(map(repr, _HOOK_COMMS))} for the DDP hook (one "
+                             f"collective per bucket, see dlion.integrations.ddp), got {comm!r}")
+        self.process_group = process_group
+        self.world = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.betas = tuple(betas)
+        self.rule = VoteRule(vote, self.world, ties=ties, seed=seed)
+        self.algorithm = make_algorithm(comm, self.rule)
+        self.comm, self.seed = comm, seed
+        self.index = {p: i for i, p in enumerate(model.parameters())}
+        self.momenta: dict = {}
+        self.steps = 0
+        self.skipped_buckets = 0
+        self.comm_stats = CommStats()
+        self.transport = GroupTransport(process_group, self.comm_stats)
+
+    def _momentum(self, p: Tensor) -> Tensor:
+        i = self.index[p]
+        m = self.momenta.get(i)
+        if m is None:
+            m = self.momenta[i] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        return m
+
+    def state_dict(self) -> dict:
+        return {"momenta": {i: m.clone() for i, m in self.momenta.items()}, "steps": self.steps,
+                "skipped_buckets": self.skipped_buckets, "comm_stats": self.comm_stats.state_dict(),
+                "vote": self.rule.vote, "ties": self.rule.ties, "comm": self.comm, "world_size": self.world,
+                "rank": self.rank}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.momenta = {int(i): m.clone() for i, m in sd["momenta"].items()}
+        self.steps = int(sd["steps"])
+        self.skipped_buckets = int(sd.get("skipped_buckets", 0))
+        self.comm_stats.load_state_dict(sd["comm_stats"])
+
+
+def dlion_hook(state: DLionHookState, bucket) -> torch.futures.Future[torch.Tensor]:
+    """The DDP communication hook: this rank's Lion signs of the bucket in, the vote Δ out."""
+    grad = bucket.buffer()
+    params = bucket.parameters()
+    n = grad.numel()
+    beta1, beta2 = state.betas
+    with torch.no_grad():
+        g = grad.float()
+        m = torch.cat([state._momentum(p).reshape(-1) for p in params]) if params else g.new_zeros(0)
+        c = torch.mul(m, beta1).add_(torch.mul(g, 1.0 - beta1))
+        finite = bool(torch.isfinite(torch.stack(torch.aminmax(c))).all()) if n else True
+        values = torch.zeros(padded_length(n, state.world), dtype=torch.int8, device=grad.device)
+        values[:n].copy_(torch.sign(c))
+        m.mul_(beta2).add_(torch.mul(g, 1.0 - beta2))
+        off = 0
+        for p in params:  # the new momenta back into their per-parameter homes
+            k = p.numel()
+            state._momentum(p).copy_(m[off:off + k].view(p.shape))
+            off += k
+    contrib = Contribution(values, n, torch.ones(len(params), dtype=torch.bool), 0 if finite else 2, 0)
+    # A fresh wire state each call: the base-3 / wide formats never need a second collective.
+    wire = WireState(up="ternary" if state.comm == "allgather" else "wide")
+    gen = state.algorithm.run(wire, contrib, state.rank, coin_key(state.seed, state.steps, bucket.index()))
+    kind, send, label = next(gen)
+    work, out = state.transport.issue(kind, send, label)
+    if bucket.is_last():
+        state.steps += 1
+
+    def decide(fut) -> Tensor:
+        try:
+            gen.send(out)
+            raise RuntimeError("dlion_hook: the algorithm asked for a second collective")
+        except StopIteration as stop:
+            outcome = stop.value
+        if outcome.codes is None:  # inf/NaN on some rank: this bucket does not move anywhere
+            state.skipped_buckets += 1
+            grad.zero_()
+            return grad
+        grad.copy_(state.rule.delta(outcome.codes[:n], torch.float32))
+        return grad
+
+    return work.get_future().then(decide)
+
+
+class ApplyDelta(torch.optim.Optimizer):
+    """x ← x·(1 − η·λ) − η·Δ with Δ = the parameter's ``.grad`` as :func:`dlion_hook` left it
+    (the update :class:`dlion.DistributedLion` applies, with the same roundings)."""
+
+    def __init__(self, params: Iterable, lr: float = 1e-4, weight_decay: float = 0.0):
+        check_hyperparameters(lr, (0.0, 0.0), weight_decay)
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            ps = [p for p in group["params"] if p.grad is not None]
+            if not ps:
+                continue
+            lr, wd = group["lr"], group["weight_decay"]
+            if wd != 0.0:
+                torch._foreach_mul_(ps, 1.0 - lr * wd)
+            torch._foreach_sub_(ps, [torch.mul(p.grad, lr) for p in ps])
+        return loss

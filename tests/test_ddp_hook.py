@@ -1,0 +1,65 @@
+"""D-Lion as a DDP communication hook: bitwise equal to DistributedLion where the semantics
+coincide (every parameter used, zero ties), several buckets, 2 and 3 Gloo ranks."""
+
+import pytest
+import torch
+from torch import nn
+
+import dlion
+from dlion.integrations.ddp import ApplyDelta, DLionHookState, dlion_hook
+from dlion.lab.spawn import spawn
+
+LR, WD, BETAS = 0.01, 0.1, (0.9, 0.99)
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 400), nn.Tanh(), nn.Linear(400, 800), nn.Tanh(), nn.Linear(800, 5))
+
+
+def batches(rank):
+    g = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(5)]
+
+
+def hook_worker(rank, world, vote, comm):
+    # reference: DistributedLion on the bare model
+    ref = make_model()
+    opt = dlion.DistributedLion(ref.parameters(), lr=LR, betas=BETAS, weight_decay=WD, vote=vote, comm="1bit")
+    for x, y in batches(rank):
+        opt.zero_grad()
+        nn.functional.cross_entropy(ref(x), y).backward()
+        opt.step()
+    # the same through DDP with the hook, in several buckets
+    model = make_model()
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.5)  # several buckets (the first: 1 MB)
+    state = DLionHookState(model, betas=BETAS, vote=vote, comm=comm)
+    ddp.register_comm_hook(state, dlion_hook)
+    opt2 = ApplyDelta(ddp.parameters(), lr=LR, weight_decay=WD)
+    for x, y in batches(rank):
+        opt2.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt2.step()
+    sd = state.state_dict()
+    return ([p.detach().clone() for p in ref.parameters()], [p.detach().clone() for p in model.parameters()],
+            [opt.state[p]["exp_avg"].clone() for p in ref.parameters()], [sd["momenta"][i] for i in range(6)],
+            state.comm_stats.collectives, sd["steps"])
+
+
+@pytest.mark.parametrize("world, vote, comm", [(2, "mavo", "allgather"), (3, "mavo", "pbit"), (3, "avg", "allgather")])
+def test_ddp_hook_equals_distributed_lion_bitwise(world, vote, comm):
+    results = spawn(hook_worker, world, vote, comm, timeout_s=60)
+    for ref, hooked, m_ref, m_hook, calls, steps in results:
+        assert steps == 5 and calls > 5  # one collective per bucket, more than one bucket per step
+        for a, b in zip(ref, hooked):
+            assert torch.equal(a, b)
+        for a, b in zip(m_ref, m_hook):  # each rank's own momentum, the same in both
+            assert torch.equal(a, b)
+    for r in results[1:]:
+        for a, b in zip(r[1], results[0][1]):
+            assert torch.equal(a, b)
+
+
+def test_hook_state_rejects_two_collective_algorithms():
+    with pytest.raises(ValueError, match="comm must be one of 'allgather', 'pbit'"):
+        DLionHookState.__init__(object.__new__(DLionHookState), nn.Linear(2, 2), comm="1bit")
