@@ -112,9 +112,10 @@ def steps_to(curve: list, target: float) -> Optional[int]:
     return None
 
 
-def compose(curves: dict, step_ms: dict, reference: str = "g-lion") -> dict:
-    """Steps-to-L and time-to-L (per link) of every method, L = the reference's final loss."""
-    target = curves[reference][-1][1]
+def compose(curves: dict, step_ms: dict, reference: str = "g-lion", target: Optional[float] = None) -> dict:
+    """Steps-to-L and time-to-L (per link) of every method; L = ``target``, by default the
+    reference's final loss."""
+    target = curves[reference][-1][1] if target is None else target
     out = {"target_loss": target, "reference": reference, "methods": {}}
     for m, curve in curves.items():
         s = steps_to(curve, target)
@@ -145,7 +146,8 @@ def compose(curves: dict, step_ms: dict, reference: str = "g-lion") -> dict:
 def table(comp: dict, links: list[str]) -> str:
     from .e2e.methods import label
 
-    lines = [f"target L = {comp['target_loss']:.4f} nats/char (G-Lion's final validation loss)",
+    lines = [f"target L = {comp['target_loss']:.4f} nats/char"
+             + (" (G-Lion's final validation loss)" if comp.get("target_is_reference") else " (given)"),
              f"{'method':<36} {'steps→L':>8} {'best loss':>9} " + " ".join(f"{'t→L @' + k:>14}" for k in links)]
     lines.append("-" * len(lines[-1]))
     for m, r in comp["methods"].items():
@@ -182,15 +184,22 @@ def plot(curves: dict, step_ms: dict, comp: dict, links: list[str], path: str, t
 
     fig, axes = plt.subplots(1, len(links), figsize=(5.5 * len(links), 5), squeeze=False)
     for ax, link in zip(axes[0], links):
+        palette = iter(["tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray",
+                        "gold", "navy"])
         for m, curve in curves.items():
             ms = step_ms.get(m, {}).get(link)
             if ms is None:
                 continue
-            xs = [s * ms / 1e3 for s, _ in curve]
-            style = dict(lw=2.2, color="tab:blue") if m.startswith("d-mavo-1bit") else dict(lw=1.2)
-            if m.startswith("g-lion") and "powersgd" not in m:
-                style = dict(lw=2, color="tab:red" if m == "g-lion" else "tab:orange")
-            ax.plot(xs, [loss for _, loss in curve], label=label(m), **style)
+            pts = [(s * ms / 1e3, loss) for s, loss in curve if s > 0]  # log time axis: from the first evaluation
+            if m == "g-lion":
+                style = dict(lw=2.5, color="tab:red")
+            elif m == "d-mavo-1bit-ov":
+                style = dict(lw=2.5, color="tab:blue")
+            elif m == "g-adamw":
+                style = dict(lw=2, color="tab:orange")
+            else:
+                style = dict(lw=1.3, color=next(palette), ls="--" if "powersgd" in m else "-")
+            ax.plot([x for x, _ in pts], [y for _, y in pts], label=label(m), **style)
         ax.axhline(comp["target_loss"], color="black", ls=":", lw=1)
         ax.set_xscale("log")
         ax.set_xlabel("wall clock (s, log scale): steps × measured step time")
@@ -225,6 +234,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--quant-bits", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--step-times", default=None, help="e2e_results.json of `dlion bench e2e` with this model")
+    ap.add_argument("--target", type=float, default=None,
+                    help="target validation loss L (default: G-Lion's final validation loss)")
     ap.add_argument("--curves", default=None, help="reuse the curves of an earlier ttq_results.json")
     ap.add_argument("--check-link", default=None, help="also train --check-methods end to end at this rate")
     ap.add_argument("--check-methods", default="d-mavo-1bit-ov,g-lion-powersgd2")
@@ -301,7 +312,8 @@ def main(argv: list[str]) -> int:
     if bar is not None:
         bar.close()
     links = sorted({k for m in step_ms.values() for k in m}, key=_rate_key)
-    comp = compose(curves, step_ms)
+    comp = compose(curves, step_ms, target=args.target)
+    comp["target_is_reference"] = args.target is None
     doc = {"benchmark": "dlion bench ttq", "config": cfg, "workers": args.workers, "curves": curves,
            "runs": extra, "step_times_ms": step_ms, "step_times_from": os.path.basename(args.step_times or ""),
            "composed": comp, "elapsed_s": time.time() - t0}
@@ -316,13 +328,20 @@ def main(argv: list[str]) -> int:
     with open(os.path.join(args.out, "ttq_table.txt"), "w") as f:
         f.write(text + "\n")
     if links:
-        p = extra.get("g-lion", {}).get("params") or ""
+        p = extra.get("g-lion", {}).get("params") or _params_from(args.step_times)
         plot(curves, step_ms, comp, links, os.path.join(args.out, "ttq_loss_vs_time.png"),
              f"dlion bench ttq: {args.workers} ranks, CharGPT {p / 1e6 if p else 0:.2f} M params, "
              f"{args.steps} steps; time = steps × step time measured on the shaped links")
     print(f"wrote {os.path.join(args.out, 'ttq_results.json')}, ttq_table.txt"
           + (", ttq_loss_vs_time.png" if links else ""))
     return 0
+
+
+def _params_from(path: Optional[str]) -> int:
+    if not path:
+        return 0
+    with open(path) as f:
+        return int(json.load(f)["results"][0]["params"])
 
 
 def _rate_key(link: str) -> float:
