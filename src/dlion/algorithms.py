@@ -421,6 +421,14 @@ def _header_fields(contrib: Contribution, abstains: bool) -> Tensor:
     return torch.cat([fields, fields.new_zeros(pad)])
 
 
+def _counter_wire(n: int, k: int, width: int) -> list[tuple[str, int]]:
+    """One SUM all-reduce of n counters plus the header's fields (3 + k + 31, padded to 8),
+    ``width`` bits each (16-bit fields travel as int32)."""
+    fields = n + 3 + k + 31
+    fields += (-fields) % 8
+    return [("all_reduce", fields * (32 if width == 16 else width) // 8)]
+
+
 def _read_fields(total: Tensor, k: int, world: int) -> dict:
     t = total.to(torch.int64).cpu()
     digest = t[3 + k:3 + k + 31]
@@ -443,10 +451,7 @@ class PBit(Algorithm):
         return field_width(self.world * (self.world + 1) if wide else self.world)
 
     def wire(self, n: int, k: int) -> list[tuple[str, int]]:
-        w = self._width(False)
-        fields = n + 3 + k + 31
-        fields += (-fields) % 8
-        return [("all_reduce", fields * (32 if w == 16 else w) // 8)]
+        return _counter_wire(n, k, self._width(False))
 
     def run(self, state, contrib, rank, key):
         N, n, numel = self.world, contrib.values.numel(), contrib.numel
@@ -498,10 +503,7 @@ class Quantized(Algorithm):
         self.levels = levels
 
     def wire(self, n: int, k: int) -> list[tuple[str, int]]:
-        w = field_width(2 * self.levels * self.world)
-        fields = n + 3 + k + 31
-        fields += (-fields) % 8
-        return [("all_reduce", fields * (32 if w == 16 else w) // 8)]
+        return _counter_wire(n, k, field_width(2 * self.levels * self.world))
 
     def run(self, state, contrib, rank, key):
         N, n, s = self.world, contrib.values.numel(), self.levels
