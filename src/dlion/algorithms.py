@@ -42,7 +42,6 @@ runs do not fit.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Generator, Optional
 
@@ -56,7 +55,7 @@ from .collectives import bytes_moved, field_width, pack_fields, unpack_fields
 
 __all__ = ["Contribution", "Outcome", "WireState", "Algorithm", "OneBit", "AllGather", "PBit", "Quantized",
            "ALGORITHMS", "make_algorithm", "choose_algorithm", "LATENCY_BYTES", "BAD", "NONFINITE",
-           "zero_runs", "runs_mask"]
+           "zero_runs", "runs_mask", "padded_length"]
 
 BAD, NONFINITE = 1, 2          # status bits a rank reports for a bucket
 _ABSTAINS, _FITS, _OVERFLOW = 4, 8, 16
@@ -549,6 +548,3 @@ def padded_length(numel: int, world: int) -> int:
     quantum = ALIGN * world
     return max(quantum, -(-numel // quantum) * quantum)
 
-
-__all__.append("padded_length")
-_ = math  # (math kept for callers' convenience in formulas)

@@ -46,10 +46,9 @@ from torch.profiler import record_function
 
 from .aggregation import VoteRule, coin_key
 from .algorithms import ALGORITHMS, BAD, NONFINITE, Contribution, Outcome, WireState, choose_algorithm, make_algorithm
-from .buckets import (Bucket, RankBuffers, Scratch, apply_scaled_delta, contribute, layout_buckets,
-                      update_momentum, work_dtype)
+from .buckets import Bucket, RankBuffers, Scratch, apply_scaled_delta, contribute, layout_buckets, update_momentum
 from .collectives import CommStats, GroupTransport
-from .lion import Lion, _LOW_PRECISION, check_grad
+from .lion import Lion, check_grad
 from .quantize import NORMS, levels
 
 __all__ = ["DistributedLion", "DesyncError", "momentum_sync_due"]
@@ -708,5 +707,3 @@ def _checksum(p: Tensor) -> Tensor:
     pos = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)
     return torch.stack([bits.sum(), (bits * pos).sum()]).cpu()
 
-
-_ = (work_dtype, _LOW_PRECISION)

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .aggregation import VoteRule, coin_key
 from .algorithms import Contribution, WireState, choose_algorithm, make_algorithm
-from .buckets import RankBuffers, Scratch, apply_delta, contribute, layout_buckets, update_momentum
+from .buckets import RankBuffers, Scratch, apply_scaled_delta, contribute, layout_buckets, update_momentum
 from .collectives import CommStats, simulate_collective
 from .distributed import check_options, momentum_sync_due
 from .lion import check_hyperparameters, check_params
@@ -116,9 +116,10 @@ class SimulatedDistributedLion:
                 update.copy_(outcome.codes[:b.numel])
                 if self.rule.vote == "avg":
                     update.div_(N)
+                update.mul_(self.lr)  # η·Δ, as DistributedLion applies it
                 views = b.views(update)
-                apply_delta([p for p, a in zip(b.params, active) if a], [u for u, a in zip(views, active) if a],
-                            self.lr, self.weight_decay, self.scratch)
+                apply_scaled_delta([p for p, a in zip(b.params, active) if a],
+                                   [u for u, a in zip(views, active) if a], self.lr, self.weight_decay)
             for i in range(N):
                 if any(present[i]):
                     update_momentum(b, self.buffers[i][kb], present[i], self.betas[1], self.scratch)

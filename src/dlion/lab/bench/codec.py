@@ -25,7 +25,7 @@ import torch
 
 from dlion.aggregation import VoteRule
 from dlion.algorithms import Contribution, WireState, make_algorithm, padded_length
-from dlion.buckets import RankBuffers, Scratch, apply_delta, contribute, layout_buckets, update_momentum
+from dlion.buckets import RankBuffers, Scratch, apply_scaled_delta, contribute, layout_buckets, update_momentum
 from dlion.collectives import simulate_collective
 from dlion.lion import Lion
 
@@ -111,7 +111,8 @@ def run(n: int, world: int, vote: str, comm: str, repeat: int, device: str) -> d
         work.copy_(outcome.codes[:b.numel])
         if vote == "avg":
             work.div_(world)
-        apply_delta([p.detach().view(-1)], [work], 1e-4, 0.1, scratch)
+        work.mul_(1e-4)
+        apply_scaled_delta([p.detach().view(-1)], [work], 1e-4, 0.1)
         update_momentum(b, bufs[0], [True], 0.99, scratch)
 
     t = {
