@@ -52,11 +52,14 @@ def configs_worker(rank, world, configs):
                                     momentum_sync=cfg.get("momentum_sync", "none"),
                                     aggregate=cfg.get("aggregate", "sign"), quant_norm=cfg.get("quant_norm", "l1"),
                                     quant_bits=cfg.get("quant_bits", 8),
-                                    bucket_cap_mb=cfg.get("bucket_cap_mb", 25.0), seed=5)
+                                    bucket_cap_mb=cfg.get("bucket_cap_mb", 25.0), seed=5,
+                                    momentum_dtype=cfg.get("momentum_dtype"))
         for t in range(STEPS):
             for p, g in zip(params, grads_for(rank, t, cfg.get("dense", False))):
                 p.grad = g
             opt.step()
         out.append(dict(params=[p.detach().clone() for p in params], stats=opt.comm_stats.state_dict(),
+                        momenta=[opt.state[p]["exp_avg"].clone() if "exp_avg" in opt.state[p] else None
+                                 for p in params],
                         layout=opt.bucket_layout() if world > 1 else None))
     return out

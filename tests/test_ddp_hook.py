@@ -22,10 +22,11 @@ def batches(rank):
     return [(torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(5)]
 
 
-def hook_worker(rank, world, vote, comm):
+def hook_worker(rank, world, vote, comm, mdtype=None):
     # reference: DistributedLion on the bare model
     ref = make_model()
-    opt = dlion.DistributedLion(ref.parameters(), lr=LR, betas=BETAS, weight_decay=WD, vote=vote, comm="1bit")
+    opt = dlion.DistributedLion(ref.parameters(), lr=LR, betas=BETAS, weight_decay=WD, vote=vote, comm="1bit",
+                                momentum_dtype=mdtype)
     for x, y in batches(rank):
         opt.zero_grad()
         nn.functional.cross_entropy(ref(x), y).backward()
@@ -33,7 +34,7 @@ def hook_worker(rank, world, vote, comm):
     # the same through DDP with the hook, in several buckets
     model = make_model()
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.5)  # several buckets (the first: 1 MB)
-    state = DLionHookState(model, betas=BETAS, vote=vote, comm=comm)
+    state = DLionHookState(model, betas=BETAS, vote=vote, comm=comm, momentum_dtype=mdtype)
     ddp.register_comm_hook(state, dlion_hook)
     opt2 = ApplyDelta(ddp.parameters(), lr=LR, weight_decay=WD)
     for x, y in batches(rank):
@@ -46,15 +47,17 @@ def hook_worker(rank, world, vote, comm):
             state.comm_stats.collectives, sd["steps"])
 
 
-@pytest.mark.parametrize("world, vote, comm", [(2, "mavo", "allgather"), (3, "mavo", "pbit"), (3, "avg", "allgather")])
-def test_ddp_hook_equals_distributed_lion_bitwise(world, vote, comm):
-    results = spawn(hook_worker, world, vote, comm, timeout_s=60)
+@pytest.mark.parametrize("world, vote, comm, mdtype", [(2, "mavo", "allgather", None), (3, "mavo", "pbit", None),
+                                                      (3, "avg", "allgather", None),
+                                                      (2, "mavo", "allgather", torch.bfloat16)])
+def test_ddp_hook_equals_distributed_lion_bitwise(world, vote, comm, mdtype):
+    results = spawn(hook_worker, world, vote, comm, mdtype, timeout_s=60)
     for ref, hooked, m_ref, m_hook, calls, steps in results:
         assert steps == 5 and calls > 5  # one collective per bucket, more than one bucket per step
         for a, b in zip(ref, hooked):
             assert torch.equal(a, b)
         for a, b in zip(m_ref, m_hook):  # each rank's own momentum, the same in both
-            assert torch.equal(a, b)
+            assert a.dtype == b.dtype == (mdtype or torch.float32) and torch.equal(a, b)
     for r in results[1:]:
         for a, b in zip(r[1], results[0][1]):
             assert torch.equal(a, b)

@@ -20,10 +20,12 @@ from dlion.lab.spawn import spawn
 from conftest import BETAS, LR, SHAPES, STEPS, WD, configs_worker, grads_for, init_params
 
 
-def simulate(world, cfg, layout):
-    """N workers in one process, straight from the paper's equations."""
+def simulate(world, cfg, layout, momenta=False):
+    """N workers in one process, straight from the paper's equations (with ``momentum_dtype``:
+    m stored in that dtype, widened to the parameter's dtype for the math, rounded once)."""
     x = [p.clone() for p in init_params(0)]
-    m = [[torch.zeros(s, dtype=d) for s, d in SHAPES] for _ in range(world)]
+    store = cfg.get("momentum_dtype")
+    m = [[torch.zeros(s, dtype=store or d) for s, d in SHAPES] for _ in range(world)]
     for t in range(STEPS):
         grads = [grads_for(i, t, cfg.get("dense", False)) for i in range(world)]
         for k in range(len(SHAPES)):
@@ -33,9 +35,10 @@ def simulate(world, cfg, layout):
                 if g is None:
                     deltas.append(torch.zeros_like(x[k]))  # abstain
                     continue
-                c = BETAS[0] * m[i][k] + (1 - BETAS[0]) * g
+                mk = m[i][k].to(x[k].dtype)
+                c = BETAS[0] * mk + (1 - BETAS[0]) * g
                 deltas.append(torch.sign(c))
-                m[i][k] = BETAS[1] * m[i][k] + (1 - BETAS[1]) * g
+                m[i][k] = (BETAS[1] * mk + (1 - BETAS[1]) * g).to(m[i][k].dtype)
             if all(grads[i][k] is None for i in range(world)):
                 continue  # no gradient anywhere: not touched at all
             s = sum(deltas)
@@ -50,7 +53,7 @@ def simulate(world, cfg, layout):
                     update = torch.where((s == 0) & (nz > 0), coins, update)
             x[k] = x[k] * (1 - LR * WD)
             x[k] = x[k] - LR * update
-    return x
+    return (x, m) if momenta else x
 
 
 CONFIGS = [
@@ -65,6 +68,8 @@ CONFIGS = [
     dict(vote="mavo", comm="pbit"),
     dict(vote="avg", comm="pbit", dense=True),
     dict(vote="avg", comm="auto"),
+    dict(vote="mavo", momentum_dtype=torch.bfloat16),
+    dict(vote="avg", dense=True, momentum_dtype=torch.bfloat16),
 ]
 
 
@@ -86,6 +91,12 @@ def test_matches_simulated_workers_and_ranks_agree_bitwise(world):
             if not cfg.get("dense"):
                 assert torch.equal(res["params"][2], init_params(0)[2])
                 assert torch.equal(res["params"][0][0], row)
+        if cfg.get("momentum_dtype") is not None:  # the stored momenta themselves, in their dtype
+            _, ref_m = simulate(world, cfg, ranks[0]["layout"], momenta=True)
+            for rank, res in enumerate(ranks):
+                for k, (got, want) in enumerate(zip(res["momenta"], ref_m[rank])):
+                    if got is not None:
+                        assert got.dtype == torch.bfloat16 and torch.equal(got, want), f"{cfg} rank {rank} m{k}"
 
 
 def expected_bits(vote, ties, world):
@@ -378,3 +389,28 @@ def test_zero_grad_discards_a_backward_without_step_like_torch_optim():
     for a, b in zip(plain, skipped):
         for x, y in zip(a, b):
             assert torch.equal(x, y)
+
+
+def step_count_worker(rank, world, reset):
+    from dlion.collectives import CommStats
+
+    params = [p.requires_grad_() for p in init_params(rank)]
+    opt = dlion.DistributedLion(params, lr=LR, betas=BETAS, weight_decay=WD, ties="random", seed=5,
+                                momentum_sync=2)
+    for t in range(STEPS):
+        if reset and t == 3:
+            opt.comm_stats = CommStats()  # statistics only: the algorithm must not notice
+        for p, g in zip(params, grads_for(rank, t, False)):
+            p.grad = g
+        opt.step()
+    return [p.detach().clone() for p in params], opt.step_count, opt.state_dict()["dlion"]["step_count"]
+
+
+def test_the_step_counter_is_the_optimizers_not_the_traffic_statistics():
+    # tie coins and the momentum-sync schedule are keyed by opt.step_count, which a reset of
+    # comm_stats leaves alone; it is saved in state_dict()
+    plain = spawn(step_count_worker, 2, False)
+    reset = spawn(step_count_worker, 2, True)
+    for (pa, na, sa), (pb, nb, sb) in zip(plain, reset):
+        assert na == nb == sa == sb == STEPS
+        assert all(torch.equal(a, b) for a, b in zip(pa, pb))

@@ -219,3 +219,51 @@ def test_load_state_dict_keeps_fp32_momentum_of_bf16_params():
     other.load_state_dict(torch.load(buf, weights_only=True))
     assert other.state[q]["exp_avg"].dtype == torch.float32
     assert torch.equal(other.state[q]["exp_avg"], m)
+
+
+# -- momentum_dtype: bf16 storage, fp32 math --------------------------------------
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_bf16_momentum_is_the_fp32_rule_with_m_rounded_once_per_step(foreach):
+    lr, betas, wd = 3e-3, (0.9, 0.99), 0.1
+    params = make_params()
+    ref_p = [p.detach().clone() for p in params]
+    ref_m = [torch.zeros(p.shape, dtype=torch.bfloat16) for p in params]
+    opt = dlion.Lion(params, lr=lr, betas=betas, weight_decay=wd, foreach=foreach, momentum_dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(30):
+        grads = [torch.randn(p.shape, generator=gen) for p in params]
+        for p, gr in zip(params, grads):
+            p.grad = gr.clone()
+        opt.step()
+        for i, gr in enumerate(grads):
+            ref_p[i], m32 = reference_lion(ref_p[i], gr, ref_m[i].float(), lr, *betas, wd)
+            ref_m[i] = m32.to(torch.bfloat16)  # round to nearest, once
+    for p, r, m in zip(params, ref_p, ref_m):
+        assert opt.state[p]["exp_avg"].dtype == torch.bfloat16
+        assert torch.equal(p.detach(), r)
+        assert torch.equal(opt.state[p]["exp_avg"], m)
+    # half the state memory of fp32 momenta
+    state_bytes = sum(opt.state[p]["exp_avg"].numel() * opt.state[p]["exp_avg"].element_size() for p in params)
+    assert state_bytes == 2 * sum(p.numel() for p in params)
+
+
+def test_bf16_momentum_survives_a_state_dict_round_trip():
+    p = torch.randn(8, requires_grad=True)
+    opt = dlion.Lion([p], lr=0.01, momentum_dtype=torch.bfloat16)
+    p.grad = torch.randn(8)
+    opt.step()
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    q = p.detach().clone().requires_grad_()
+    other = dlion.Lion([q], lr=0.01, momentum_dtype=torch.bfloat16)
+    other.load_state_dict(torch.load(buf, weights_only=True))  # torch.optim would cast it to fp32
+    assert other.state[q]["exp_avg"].dtype == torch.bfloat16
+    assert torch.equal(other.state[q]["exp_avg"], opt.state[p]["exp_avg"])
+
+
+@pytest.mark.parametrize("bad", [torch.int8, "bf16", torch.bool])
+def test_bad_momentum_dtype(bad):
+    with pytest.raises(ValueError, match="momentum_dtype must be None or a floating-point torch.dtype"):
+        dlion.Lion([torch.zeros(2, requires_grad=True)], momentum_dtype=bad)

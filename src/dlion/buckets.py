@@ -101,8 +101,8 @@ class RankBuffers:
     """One rank's flat buffers for one bucket (the simulator keeps N of these): momentum,
     gradient, the int8 contribution and ``work`` (c while contributing, Δ while applying)."""
 
-    def __init__(self, b: Bucket):
-        self.momentum = b.flat()
+    def __init__(self, b: Bucket, momentum_dtype: Optional[torch.dtype] = None):
+        self.momentum = b.flat(momentum_dtype)  # (a narrower dtype is only storage: the math runs in b.dtype)
         self.grad = b.flat()
         self.work = b.flat()
         self.values = torch.zeros(b.padded, dtype=torch.int8, device=b.device)
@@ -150,7 +150,10 @@ def contribute(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], scrat
     if maximize:
         g.neg_()
     # c = β1·m + (1 − β1)·g, each product rounded on its own (the literal rule), without allocations
-    c = torch.mul(buf.momentum, beta1, out=buf.work)
+    if buf.momentum.dtype == buf.work.dtype:
+        c = torch.mul(buf.momentum, beta1, out=buf.work)
+    else:  # momentum stored narrower (momentum_dtype): widen it first, so the math is the fp32 rule
+        c = buf.work.copy_(buf.momentum).mul_(beta1)
     c.add_(torch.mul(g, 1.0 - beta1, out=scratch.get(g)))
     finite = _all_finite(c)
     out = values[:b.numel]
@@ -169,11 +172,17 @@ def contribute(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], scrat
 
 
 def update_momentum(b: Bucket, buf: RankBuffers, present: list[bool], beta2: float, scratch: Scratch) -> None:
-    """m ← β2·m + (1 − β2)·g on the coordinates of parameters this rank had gradients for."""
+    """m ← β2·m + (1 − β2)·g on the coordinates of parameters this rank had gradients for.
+    A momentum stored narrower than the work dtype is updated in the work dtype (in ``buf.work``,
+    free once Δ is applied) and rounded once, to nearest, on the way back."""
     spans = [(0, b.numel)] if all(present) else b.ranges(present)
+    narrow = buf.momentum.dtype != buf.work.dtype
     for lo, hi in spans:
         m, g = buf.momentum[lo:hi], buf.grad[lo:hi]
-        m.mul_(beta2).add_(torch.mul(g, 1.0 - beta2, out=scratch.get(g)))
+        w = buf.work[lo:hi].copy_(m) if narrow else m
+        w.mul_(beta2).add_(torch.mul(g, 1.0 - beta2, out=scratch.get(g)))
+        if narrow:
+            m.copy_(w)
 
 
 def apply_scaled_delta(params: list[Tensor], scaled: list[Tensor], lr: float, weight_decay: float) -> None:

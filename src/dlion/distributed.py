@@ -140,6 +140,9 @@ class DistributedLion(Lion):
             ``"skip"`` the step (counted in ``skipped_steps``) or ``"raise"``.
         sign_hook: ``sign_hook(step, delta) -> delta`` transforms this rank's int8
             signs of one bucket before they are sent (fault injection).
+        momentum_dtype: storage dtype of the momenta (default: fp32 for bf16/fp16
+            parameters, else the parameter's). ``torch.bfloat16`` halves the optimizer
+            state; the math still runs in fp32 and the new momentum is rounded once.
 
     Parameters with ``requires_grad=False`` are never communicated and get no
     momentum. A parameter whose ``.grad`` is ``None`` on some ranks abstains there;
@@ -171,6 +174,7 @@ class DistributedLion(Lion):
         sign_hook: Optional[Callable[[int, Tensor], Tensor]] = None,
         maximize: bool = False,
         foreach: Optional[bool] = None,
+        momentum_dtype: Optional[torch.dtype] = None,
     ):
         distributed = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size(process_group) if distributed else 1
@@ -180,7 +184,8 @@ class DistributedLion(Lion):
         self._ready = False
         params = list(params)
         _reject_unsupported(params)
-        super().__init__(params, lr, betas, weight_decay, maximize=maximize, foreach=foreach)
+        super().__init__(params, lr, betas, weight_decay, maximize=maximize, foreach=foreach,
+                         momentum_dtype=momentum_dtype)
         self.process_group = process_group
         self.world_size = world
         self.rank = dist.get_rank(process_group) if distributed else 0
@@ -191,6 +196,9 @@ class DistributedLion(Lion):
         self.check_every, self.nonfinite, self.sign_hook = check_every, nonfinite, sign_hook
         self.bucket_cap_mb = bucket_cap_mb
         self.comm_stats = CommStats()
+        #: completed ``step()`` calls, skipped ones included: keys the tie coins and the momentum-sync
+        #: schedule (``comm_stats`` only counts traffic and may be reset by the user)
+        self.step_count = 0
         self.skipped_steps = 0
         self.warn_after_skips = 10
         self._skips_in_a_row = 0
@@ -207,7 +215,7 @@ class DistributedLion(Lion):
             self._check_same_model()
             self._broadcast_parameters()
             self.buckets = layout_buckets(self._params, self._group_of, world, bucket_cap_mb)
-            self._buffers = [RankBuffers(b) for b in self.buckets]
+            self._buffers = [RankBuffers(b, momentum_dtype) for b in self.buckets]
             self._scratch = Scratch()
             self._algorithms = [self._algorithm_for(b) for b in self.buckets]
             self._wire = [WireState(up="narrow" if a.name == "pbit" else "runs") for a in self._algorithms]
@@ -228,6 +236,10 @@ class DistributedLion(Lion):
                 self._register_hooks()
         self._ready = True
 
+    def _count_step(self) -> None:
+        self.step_count += 1
+        self.comm_stats.steps += 1
+
     def _algorithm_for(self, b: Bucket):
         if self.aggregate == "quantized":
             return make_algorithm("quantized", self.rule, self.quant_levels)
@@ -245,7 +257,7 @@ class DistributedLion(Lion):
     def _config(self) -> tuple:
         return (self.rule.vote, self.rule.ties, self.seed, self.comm, self.aggregate, self.quant_norm,
                 self.quant_bits, str(self.momentum_sync), self.bucket_cap_mb, self.overlap, self.check_every,
-                self.nonfinite)
+                self.nonfinite, str(self.momentum_dtype))
 
     def _check_same_model(self) -> None:
         mine = [(tuple(p.shape), str(p.dtype).replace("torch.", ""), bool(p.requires_grad)) for p in self._params]
@@ -268,7 +280,7 @@ class DistributedLion(Lion):
                         f"{b[2]} on rank {r} and {a[2]} on rank 0.")
             if cfg != ref_cfg:
                 names = ("vote", "ties", "seed", "comm", "aggregate", "quant_norm", "quant_bits", "momentum_sync",
-                         "bucket_cap_mb", "overlap", "check_every", "nonfinite")
+                         "bucket_cap_mb", "overlap", "check_every", "nonfinite", "momentum_dtype")
                 diff = [f"{n}={x!r} on rank {r}, {y!r} on rank 0" for n, x, y in zip(names, cfg, ref_cfg) if x != y]
                 raise ValueError("DistributedLion: ranks disagree on the optimizer's options: " + "; ".join(diff))
 
@@ -368,14 +380,14 @@ class DistributedLion(Lion):
                     f"on one rank, but the process group now has {dist.get_world_size(self.process_group)} ranks: "
                     "their replicas would diverge. Build the optimizer after init_process_group().")
             loss = super().step(closure)
-            self.comm_stats.steps += 1
+            self._count_step()
             return loss
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._check_frozen()
-        step_no = self.comm_stats.steps
+        step_no = self.step_count
         if self._step is None:
             self._step = _Step(self)
         st = self._step
@@ -401,7 +413,7 @@ class DistributedLion(Lion):
         if self.world_size == 1:
             if any(bool(f.item()) for f in found):
                 self.skipped_steps += 1
-                self.comm_stats.steps += 1
+                self._count_step()
                 return None
             return self.step(closure)
         policy, self.nonfinite = self.nonfinite, "skip"  # an overflow is routine under a scaler: skip, never raise
@@ -433,7 +445,7 @@ class DistributedLion(Lion):
                 raise FloatingPointError(
                     f"DistributedLion: a rank has inf/NaN gradients at step {step_no}; no rank changed anything.")
             self.skipped_steps += 1
-            self.comm_stats.steps += 1
+            self._count_step()
             self._skips_in_a_row += 1
             if self._skips_in_a_row == self.warn_after_skips:
                 ranks = sorted({r for o in outcomes for r in o.ranks_nonfinite})
@@ -445,12 +457,12 @@ class DistributedLion(Lion):
         self._skips_in_a_row = 0
         for k, (b, o) in enumerate(zip(self.buckets, outcomes)):
             self._apply(k, b, o, st.present[k])
-        self.comm_stats.steps += 1
+        self._count_step()
         if step_no == 0:
             self._warn_if_gradients_identical()
-        if momentum_sync_due(self.momentum_sync, self.comm_stats.steps):
+        if momentum_sync_due(self.momentum_sync, self.step_count):
             self.synchronize_momenta()
-        if self.check_every and self.comm_stats.steps % self.check_every == 0:
+        if self.check_every and self.step_count % self.check_every == 0:
             self.check_replicas()
 
     def _apply(self, k: int, b: Bucket, o: Outcome, present: list[bool]) -> None:
@@ -505,7 +517,7 @@ class DistributedLion(Lion):
                           "(no step() followed it).", stacklevel=2)
             for pending in self._step.pending:
                 pending.clear()
-            self._issue_ready(self.comm_stats.steps)
+            self._issue_ready(self.step_count)
             self._advance(block=True)
             self._step = None
         super().zero_grad(set_to_none=set_to_none)
@@ -544,7 +556,7 @@ class DistributedLion(Lion):
                 if not torch.equal(table[r, i], table[0, i]):
                     raise DesyncError(
                         f"DistributedLion: parameter {i} (shape {tuple(p.shape)}) differs between rank 0 and "
-                        f"rank {r} after step {self.comm_stats.steps}; replicas have diverged.")
+                        f"rank {r} after step {self.step_count}; replicas have diverged.")
 
     # -- overlap with backward ---------------------------------------------------
     def _register_hooks(self) -> None:
@@ -570,7 +582,7 @@ class DistributedLion(Lion):
         st.pending[k].discard(j)
         if k == st.issued:
             with torch.no_grad():
-                self._issue_ready(self.comm_stats.steps)
+                self._issue_ready(self.step_count)
                 if self._second is not self._first:
                     self._advance(block=False)
 
@@ -586,7 +598,8 @@ class DistributedLion(Lion):
     # -- checkpointing ----------------------------------------------------------
     def state_dict(self) -> dict:
         sd = super().state_dict()
-        sd["dlion"] = {"comm_stats": self.comm_stats.state_dict(), "world_size": self.world_size,
+        sd["dlion"] = {"step_count": self.step_count, "comm_stats": self.comm_stats.state_dict(),
+                       "world_size": self.world_size,
                        "rank": self.rank, "vote": self.rule.vote, "ties": self.rule.ties, "seed": self.seed,
                        "aggregate": self.aggregate, "skipped_steps": self.skipped_steps,
                        # the agreed wire formats (identical on every rank), so a resumed run sends the same bytes
@@ -614,6 +627,7 @@ class DistributedLion(Lion):
                 st["step"] = steps[j]
         if extra is not None:
             self.comm_stats.load_state_dict(extra["comm_stats"])
+            self.step_count = int(extra.get("step_count", self.comm_stats.steps))
             self.skipped_steps = int(extra.get("skipped_steps", 0))
             wire = extra.get("wire") or []
             if len(wire) == len(self._wire):  # (another layout, e.g. another world size: start afresh)

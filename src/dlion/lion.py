@@ -17,6 +17,12 @@ then rounded to the parameter's dtype (round to nearest). A step η smaller than
 half a unit in the last place of a bf16 value is therefore lost, exactly as it
 would be for any optimizer writing bf16 weights; keep fp32 master weights
 (e.g. train in fp32 under ``torch.autocast``) when that matters.
+
+Momentum storage: ``momentum_dtype=torch.bfloat16`` stores the momentum (Lion's
+only state tensor) in bf16 — half the optimizer memory of fp32 state. Only the
+storage narrows: each step widens m to the work dtype (fp32 for bf16/fp16/fp32
+parameters), computes ``c`` and the new momentum there, and rounds the new
+momentum once, to nearest, back to bf16.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["Lion", "lion_presign", "lion_momentum_update", "apply_update", "check_hyperparameters"]
+__all__ = ["Lion", "lion_presign", "lion_momentum_update", "apply_update", "check_hyperparameters",
+           "check_momentum_dtype"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -75,6 +82,13 @@ def _state_dtype(p: Tensor) -> torch.dtype:
     return torch.float32 if p.dtype in _LOW_PRECISION else p.dtype
 
 
+def check_momentum_dtype(dtype) -> None:
+    """``None`` (the work dtype) or a floating-point ``torch.dtype``."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"momentum_dtype must be None or a floating-point torch.dtype (e.g. torch.bfloat16), "
+                         f"got {dtype!r}")
+
+
 def lion_presign(ms: list[Tensor], gs: list[Tensor], beta1: float, *, foreach: bool) -> list[Tensor]:
     """c = β1·m + (1 − β1)·g for every tensor (new tensors, m and g untouched)."""
     if foreach:
@@ -119,7 +133,8 @@ def apply_update(params: list[Tensor], updates: list[Tensor], lr: float, weight_
 class Lion(torch.optim.Optimizer):
     """Lion, exactly the four-line rule above. ``foreach=None`` picks the
     multi-tensor path when all parameters are on CUDA or CPU (both paths give
-    identical results)."""
+    identical results). ``momentum_dtype`` narrows the momentum's storage (see
+    the module docstring)."""
 
     def __init__(
         self,
@@ -130,8 +145,11 @@ class Lion(torch.optim.Optimizer):
         *,
         maximize: bool = False,
         foreach: Optional[bool] = None,
+        momentum_dtype: Optional[torch.dtype] = None,
     ):
         check_hyperparameters(lr, betas, weight_decay)
+        check_momentum_dtype(momentum_dtype)
+        self.momentum_dtype = momentum_dtype
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize, foreach=foreach)
         params = list(params)
         check_params(_flatten_spec(params))  # before torch.optim's own (warning-only) duplicate check
@@ -143,18 +161,21 @@ class Lion(torch.optim.Optimizer):
         check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
         check_params([p for grp in self.param_groups for p in grp["params"]])
 
+    def _momentum_dtype(self, p: Tensor) -> torch.dtype:
+        return getattr(self, "momentum_dtype", None) or _state_dtype(p)
+
     def load_state_dict(self, state_dict: dict) -> None:
-        # torch.optim casts loaded state to each parameter's dtype; Lion keeps the
-        # momentum of bf16/fp16 parameters in fp32, so put the saved fp32 values back.
+        # torch.optim casts loaded state to each parameter's dtype; Lion keeps the momentum in
+        # its own dtype (fp32 for bf16/fp16 parameters, or momentum_dtype), so put it back in that.
         saved = {}
         for group, saved_group in zip(self.param_groups, state_dict.get("param_groups", [])):
             for p, pid in zip(group["params"], saved_group["params"]):
                 m = state_dict.get("state", {}).get(pid, {}).get("exp_avg")
-                if p.dtype in _LOW_PRECISION and isinstance(m, Tensor):
+                if self._momentum_dtype(p) != p.dtype and isinstance(m, Tensor):
                     saved[p] = m
         super().load_state_dict(state_dict)
         for p, m in saved.items():
-            self.state[p]["exp_avg"] = m.to(dtype=torch.float32, device=p.device)
+            self.state[p]["exp_avg"] = m.to(dtype=self._momentum_dtype(p), device=p.device)
 
     def _collect(self, group: dict):
         """Parameters with gradients, their gradients (negated if maximize) and momenta."""
@@ -169,7 +190,8 @@ class Lion(torch.optim.Optimizer):
                 g = torch.neg(g)
             state = self.state[p]
             if "exp_avg" not in state:
-                state["exp_avg"] = torch.zeros_like(p, dtype=_state_dtype(p), memory_format=torch.preserve_format)
+                state["exp_avg"] = torch.zeros_like(p, dtype=self._momentum_dtype(p),
+                                                    memory_format=torch.preserve_format)
                 state["step"] = torch.tensor(0.0)
             ps.append(p)
             gs.append(g)
@@ -191,10 +213,14 @@ class Lion(torch.optim.Optimizer):
                 continue
             beta1, beta2 = group["betas"]
             foreach = _use_foreach(group["foreach"], ps)
-            c = lion_presign(ms, gs, beta1, foreach=foreach)
+            wide = [m if m.dtype == g.dtype else m.to(g.dtype) for m, g in zip(ms, gs)]  # (momentum_dtype)
+            c = lion_presign(wide, gs, beta1, foreach=foreach)
             signs = torch._foreach_sign(c) if foreach else [torch.sign(x) for x in c]
             apply_update(ps, signs, group["lr"], group["weight_decay"], foreach=foreach)
-            lion_momentum_update(ms, gs, beta2, foreach=foreach)
+            lion_momentum_update(wide, gs, beta2, foreach=foreach)
+            for m, w in zip(ms, wide):
+                if w is not m:
+                    m.copy_(w)  # rounded once, to nearest
             for p in ps:
                 self.state[p]["step"] += 1
         return loss

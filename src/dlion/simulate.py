@@ -22,7 +22,7 @@ from .algorithms import Contribution, WireState, choose_algorithm, make_algorith
 from .buckets import RankBuffers, Scratch, apply_scaled_delta, contribute, layout_buckets, update_momentum
 from .collectives import CommStats, simulate_collective
 from .distributed import check_options, momentum_sync_due
-from .lion import check_hyperparameters, check_params
+from .lion import check_hyperparameters, check_momentum_dtype, check_params
 from .quantize import levels
 
 __all__ = ["SimulatedDistributedLion"]
@@ -41,7 +41,7 @@ class SimulatedDistributedLion:
                  betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0, *,
                  vote: str = "mavo", ties: str = "zero", comm: str = "1bit", aggregate: str = "sign",
                  quant_norm: str = "l1", quant_bits: int = 8, momentum_sync: Union[str, int] = "none",
-                 bucket_cap_mb: float = 25.0, seed: int = 0,
+                 bucket_cap_mb: float = 25.0, seed: int = 0, momentum_dtype: Optional[torch.dtype] = None,
                  sign_hooks: Optional[Sequence[Optional[Callable[[int, Tensor], Tensor]]]] = None):
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
@@ -67,10 +67,12 @@ class SimulatedDistributedLion:
                                               if comm == "auto" else comm, self.rule) for b in self.buckets]
         up = ["narrow" if a.name == "pbit" else "runs" for a in self.algorithms]
         self.wire = [[WireState(up=u) for _ in range(world_size)] for u in up]  # one per bucket per worker
-        self.buffers = [[RankBuffers(b) for b in self.buckets] for _ in range(world_size)]
+        check_momentum_dtype(momentum_dtype)
+        self.buffers = [[RankBuffers(b, momentum_dtype) for b in self.buckets] for _ in range(world_size)]
         self.updates = [b.flat() for b in self.buckets]
         self.scratch = Scratch()
         self.comm_stats = CommStats()
+        self.step_count = 0
         self.num_params = sum(p.numel() for p in self.params)
 
     @property
@@ -94,7 +96,7 @@ class SimulatedDistributedLion:
                 if g is not None and g.shape != self.params[k].shape:
                     raise ValueError(f"gradient for parameter {k} has shape {tuple(g.shape)}, "
                                      f"expected {tuple(self.params[k].shape)}")
-        step = self.comm_stats.steps
+        step = self.step_count
         quant = (self.quant_levels, self.quant_norm) if self.aggregate == "quantized" else None
         results = []
         for kb, b in enumerate(self.buckets):
@@ -123,11 +125,12 @@ class SimulatedDistributedLion:
             for i in range(N):
                 if any(present[i]):
                     update_momentum(b, self.buffers[i][kb], present[i], self.betas[1], self.scratch)
+        self.step_count += 1
         self.comm_stats.steps += 1
         if step == 0:  # DistributedLion's one-time check for identical gradients: 16 bytes per bucket and rank
             simulate_collective("all_gather", [torch.zeros(4 * len(self.buckets), dtype=torch.int32)] * N,
                                 self.comm_stats, "check")
-        if momentum_sync_due(self.momentum_sync, self.comm_stats.steps):
+        if momentum_sync_due(self.momentum_sync, self.step_count):
             self.synchronize_momenta()
 
     def synchronize_momenta(self) -> None:

@@ -46,7 +46,7 @@ from torch import Tensor
 from ..aggregation import VoteRule, coin_key
 from ..algorithms import Contribution, WireState, make_algorithm, padded_length
 from ..collectives import CommStats, GroupTransport
-from ..lion import check_hyperparameters
+from ..lion import check_hyperparameters, check_momentum_dtype
 
 __all__ = ["DLionHookState", "dlion_hook", "ApplyDelta"]
 
@@ -59,8 +59,11 @@ class DLionHookState:
     iteration changes nothing), the vote rule, the algorithm and a step counter."""
 
     def __init__(self, model: torch.nn.Module, betas: tuple[float, float] = (0.9, 0.99), *, vote: str = "mavo",
-                 ties: str = "zero", comm: str = "allgather", seed: int = 0, process_group=None):
+                 ties: str = "zero", comm: str = "allgather", seed: int = 0, process_group=None,
+                 momentum_dtype: Optional[torch.dtype] = None):
         check_hyperparameters(1.0, betas, 0.0)
+        check_momentum_dtype(momentum_dtype)
+        self.momentum_dtype = momentum_dtype
         if comm not in _HOOK_COMMS:
             raise ValueError(f"comm must be one of {', '.join(map(repr, _HOOK_COMMS))} for the DDP hook (one "
                              f"collective per bucket, see dlion.integrations.ddp), got {comm!r}")
@@ -82,7 +85,7 @@ class DLionHookState:
         i = self.index[p]
         m = self.momenta.get(i)
         if m is None:
-            m = self.momenta[i] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            m = self.momenta[i] = torch.zeros(p.shape, dtype=self.momentum_dtype or torch.float32, device=p.device)
         return m
 
     def state_dict(self) -> dict:
@@ -92,7 +95,7 @@ class DLionHookState:
                 "rank": self.rank}
 
     def load_state_dict(self, sd: dict) -> None:
-        self.momenta = {int(i): m.clone() for i, m in sd["momenta"].items()}
+        self.momenta = {int(i): m.to(self.momentum_dtype or torch.float32, copy=True) for i, m in sd["momenta"].items()}
         self.steps = int(sd["steps"])
         self.skipped_buckets = int(sd.get("skipped_buckets", 0))
         self.comm_stats.load_state_dict(sd["comm_stats"])
@@ -106,7 +109,7 @@ def dlion_hook(state: DLionHookState, bucket) -> torch.futures.Future[torch.Tens
     beta1, beta2 = state.betas
     with torch.no_grad():
         g = grad.float()
-        m = torch.cat([state._momentum(p).reshape(-1) for p in params]) if params else g.new_zeros(0)
+        m = torch.cat([state._momentum(p).reshape(-1) for p in params]).float() if params else g.new_zeros(0)
         c = torch.mul(m, beta1).add_(torch.mul(g, 1.0 - beta1))
         finite = bool(torch.isfinite(torch.stack(torch.aminmax(c))).all()) if n else True
         values = torch.zeros(padded_length(n, state.world), dtype=torch.int8, device=grad.device)
