@@ -100,8 +100,15 @@ def train_rank(rank: int, world: int, cfg: dict, emit: Callable[[dict], None]) -
             run.opt.check_replicas()
         if rank == 0:
             emit({"method": method, "curve": curve, "train_s": train_s, "params": run.params,
+                  "optimizer_state_bytes": _state_bytes(run.opt),
                   "median_step_ms": 1e3 * sorted(run.step_s)[len(run.step_s) // 2], "step_s": run.step_s})
         del run
+
+
+def _state_bytes(opt) -> int:
+    """Bytes of this rank's optimizer state tensors (momenta; step counters excluded)."""
+    return sum(v.numel() * v.element_size() for st in opt.state.values() for k, v in st.items()
+               if isinstance(v, torch.Tensor) and k != "step")
 
 
 def steps_to(curve: list, target: float) -> Optional[int]:
@@ -172,6 +179,39 @@ def table(comp: dict, links: list[str]) -> str:
                 txt += f"; {label(m)} {sp['vs_best_powersgd'][m]:.2f}× vs it"
         lines.append(txt)
     return "\n".join(lines)
+
+
+def plot_steps(curves: dict, comp: dict, path: str, title: str) -> None:
+    """Validation loss against steps (no step times given: nothing to put on a time axis)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .e2e.methods import label
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for m, curve in curves.items():
+        ax.plot([s for s, _ in curve if s > 0], [loss for s, loss in curve if s > 0], label=label(m),
+                lw=2.5 if m == "g-lion" else 1.5)
+    ax.axhline(comp["target_loss"], color="black", ls=":", lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss (nats/char)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def state_text(runs: dict) -> str:
+    from .e2e.methods import label
+
+    rows = [(m, r["optimizer_state_bytes"]) for m, r in runs.items() if "optimizer_state_bytes" in r]
+    if not rows:
+        return ""
+    return "optimizer state per rank:\n" + "\n".join(f"  {label(m):<44} {b / 2**20:8.2f} MiB" for m, b in rows)
 
 
 def plot(curves: dict, step_ms: dict, comp: dict, links: list[str], path: str, title: str) -> None:
@@ -308,7 +348,8 @@ def main(argv: list[str]) -> int:
                                 on_tick=None if bar is None else lambda: bar.update(1))
         curves = {d["method"]: [tuple(p) for p in d["curve"]] for d in per_rank[0]}
         extra = {d["method"]: {"train_s": d["train_s"], "loopback_median_step_ms": d["median_step_ms"],
-                               "params": d["params"]} for d in per_rank[0]}
+                               "params": d["params"], "optimizer_state_bytes": d["optimizer_state_bytes"]}
+                 for d in per_rank[0]}
     if bar is not None:
         bar.close()
     links = sorted({k for m in step_ms.values() for k in m}, key=_rate_key)
@@ -320,6 +361,8 @@ def main(argv: list[str]) -> int:
     if args.check_link:
         doc["check"] = _check(args, cfg, step_ms)
     text = table(comp, links)
+    if state_text(extra):
+        text += "\n\n" + state_text(extra)
     if "check" in doc:
         text += "\n\n" + _check_text(doc["check"])
     print(text)
@@ -327,13 +370,17 @@ def main(argv: list[str]) -> int:
         json.dump(doc, f, indent=1)
     with open(os.path.join(args.out, "ttq_table.txt"), "w") as f:
         f.write(text + "\n")
+    p = extra.get("g-lion", {}).get("params") or _params_from(args.step_times)
     if links:
-        p = extra.get("g-lion", {}).get("params") or _params_from(args.step_times)
         plot(curves, step_ms, comp, links, os.path.join(args.out, "ttq_loss_vs_time.png"),
              f"dlion bench ttq: {args.workers} ranks, CharGPT {p / 1e6 if p else 0:.2f} M params, "
              f"{args.steps} steps; time = steps × step time measured on the shaped links")
-    print(f"wrote {os.path.join(args.out, 'ttq_results.json')}, ttq_table.txt"
-          + (", ttq_loss_vs_time.png" if links else ""))
+    else:
+        plot_steps(curves, comp, os.path.join(args.out, "ttq_loss_vs_step.png"),
+                   f"dlion bench ttq: {args.workers} ranks, CharGPT {p / 1e6 if p else 0:.2f} M params, "
+                   f"{args.steps} steps (no step times given)")
+    print(f"wrote {os.path.join(args.out, 'ttq_results.json')}, ttq_table.txt, "
+          + ("ttq_loss_vs_time.png" if links else "ttq_loss_vs_step.png"))
     return 0
 
 
