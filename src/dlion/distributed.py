@@ -152,11 +152,7 @@ class DistributedLion(Lion):
     """
 
     def __init__(
-        self,
-        params: Iterable,
-        lr: float = 1e-4,
-        betas: tuple[float, float] = (0.9, 0.99),
-        weight_decay: float = 0.0,
+        self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0,
         *,
         vote: str = "mavo",
         ties: str = "zero",
