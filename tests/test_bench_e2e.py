@@ -70,3 +70,18 @@ def test_e2e_loopback_smoke(tmp_path, capsys, mode):
     assert head["fastest_peer"] in ("g-lion", "g-lion-powersgd2")
     assert head["over_compute"] == pytest.approx(mavo[head["best_mavo"]] / rows["compute"]["ms_per_step"])
     assert head["criteria"]["mavo_faster_than_every_peer"] == (head["speedup_vs_fastest_peer"] > 1)
+
+
+def test_overlap_figure_is_exposed_communication_saved():
+    from dlion.lab.bench.e2e.report import overlap
+
+    rows = {"compute": {"ms_per_step": 300.0, "bytes_sent_per_rank_per_step": 0.0},
+            "d-mavo-1bit": {"ms_per_step": 500.0, "bytes_sent_per_rank_per_step": 1.25e6},
+            "d-mavo-1bit-ov": {"ms_per_step": 350.0, "bytes_sent_per_rank_per_step": 1.25e6},
+            "d-avg-1bit-ov": {"ms_per_step": 400.0, "bytes_sent_per_rank_per_step": 2e6}}  # no plain twin: absent
+    got = overlap(rows, 50_000_000)
+    assert list(got) == ["d-mavo-1bit-ov"]
+    o = got["d-mavo-1bit-ov"]
+    assert (o["exposed_ms_without"], o["exposed_ms_with"], o["hidden_ms"]) == (200.0, 50.0, 150.0)
+    assert o["hidden_fraction"] == 0.75 and o["wire_ms_ideal"] == 200.0  # 1.25 MB · 8 / 50 Mbit/s
+    assert e2e.label("d-mavo-1bit-ov-m16") == "D-Lion MaVo 1bit +overlap +bf16 momentum"

@@ -56,7 +56,7 @@ from typing import Optional
 from .instrument import Instrument
 from .launch import _env_worker, _run_cluster, _run_loopback, make_batches, run_methods
 from .methods import BASELINES, DLION, GROUPS, LABELS, METHODS, POWERSGD_START_ITER, MethodRun, label, parse_methods
-from .report import _report, headline, plot, profile_lines, summarize, table
+from .report import _report, headline, overlap, overlap_lines, plot, profile_lines, summarize, table
 
 # The package: methods (names, groups, labels, one method on one rank), instrument (byte
 # counting of the DDP hooks' traffic), launch (the per-rank loop; loopback and virtual-cluster
@@ -120,6 +120,12 @@ def main(argv: list[str]) -> int:
              f"dlion bench e2e: {doc['workers']} ranks, CharGPT {n / 1e6:.1f} M params, batch "
              f"{cfg['batch_size']}×{cfg['block_size']}/rank, {doc['machine']['cpu_count']} shared CPU cores")
         print(f"wrote {os.path.join(args.out, 'e2e_step_time.png')}")
+        for link in dict.fromkeys(r["link"] for r in doc["results"]):  # what overlap hid, from the stored rows
+            rows = {r["method"]: r for r in doc["results"] if r["link"] == link}
+            lines = overlap_lines(overlap(rows, rows[next(iter(rows))]["rate_bps"]))
+            if lines:
+                print(f"link {link}: overlap with backward (step − compute-only = communication left exposed):")
+                print("\n".join(lines))
         return 0
     if args.workers < 2:
         ap.error("--workers must be >= 2")

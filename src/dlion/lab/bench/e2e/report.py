@@ -107,6 +107,34 @@ def headline(rows: dict) -> Optional[dict]:
     return out
 
 
+def overlap(rows: dict, bps: Optional[int]) -> dict:
+    """What overlap hid, per overlapped D-Lion method whose plain twin ran at the same link:
+    communication exposed in the step (step − compute-only) without and with overlap, the
+    difference (hidden), and the ideal wire time (bytes sent / link rate) for scale."""
+    out = {}
+    comp = rows.get("compute", {}).get("ms_per_step")
+    for m in rows:
+        twin = m.replace("-ov", "", 1)
+        if not m.startswith("d-") or "-ov" not in m or twin not in rows or comp is None:
+            continue
+        plain, ov = rows[twin]["ms_per_step"], rows[m]["ms_per_step"]
+        exposed = plain - comp
+        out[m] = {"plain": twin, "exposed_ms_without": exposed, "exposed_ms_with": ov - comp,
+                  "hidden_ms": plain - ov, "hidden_fraction": (plain - ov) / exposed if exposed > 0 else None,
+                  "wire_ms_ideal": 8e3 * rows[m]["bytes_sent_per_rank_per_step"] / bps if bps else None}
+    return out
+
+
+def overlap_lines(ov: dict) -> list[str]:
+    lines = []
+    for m, o in ov.items():
+        frac = "" if o["hidden_fraction"] is None else f" = {100 * o['hidden_fraction']:.0f} % of it"
+        wire = "" if o["wire_ms_ideal"] is None else f" (ideal wire time {o['wire_ms_ideal']:.1f} ms)"
+        lines.append(f"  {label(m)}: communication exposed in the step {o['exposed_ms_without']:.1f} ms without "
+                     f"overlap, {o['exposed_ms_with']:.1f} ms with: hidden {o['hidden_ms']:.1f} ms{frac}{wire}")
+    return lines
+
+
 def profile_lines(rows: dict, methods: list[str]) -> list[str]:
     lines = []
     for m in methods:
@@ -218,9 +246,14 @@ def _report(args, cfg: dict, methods: list[str], links: list, raw: dict, failed:
             results.append({"link": link, "rate_bps": bps, "method": m, "label": label(m), **r})
         tables.append(table(link, bps, rows, cfg, world))
         h = headline(rows)
+        ov = overlap(rows, bps)
         if h:
+            h["overlap"] = ov
             heads[link] = h
             tables.append(_headline_text(h))
+        if ov:
+            tables.append("overlap with backward (step − compute-only = communication left exposed):\n"
+                          + "\n".join(overlap_lines(ov)))
         ours = sorted((m for m in rows if m.startswith("d-")), key=lambda m: rows[m]["ms_per_step"])
         prof = profile_lines(rows, ours[:1])
         if prof:
