@@ -414,3 +414,31 @@ def test_the_step_counter_is_the_optimizers_not_the_traffic_statistics():
     for (pa, na, sa), (pb, nb, sb) in zip(plain, reset):
         assert na == nb == sa == sb == STEPS
         assert all(torch.equal(a, b) for a, b in zip(pa, pb))
+
+
+def tally_worker(rank, world, comm):
+    # 1000 coordinates, first step (m = 0, so δ = sign(g)): 0–399 every rank +1 (unanimous),
+    # 400–799 rank 0 +1 and rank 1 −1 (tied), 800–999 only rank 0 votes (neither)
+    p = torch.zeros(1000, requires_grad=True)
+    opt = dlion.DistributedLion([p], lr=0.1, comm=comm)
+    g = torch.zeros(1000)
+    g[:400] = 1.0
+    g[400:800] = 1.0 if rank == 0 else -1.0
+    if rank == 0:
+        g[800:] = 1.0
+    p.grad = g
+    opt.step()
+    st = opt.comm_stats
+    return st.voted, st.unanimous, st.tied, st.wait_s
+
+
+@pytest.mark.parametrize("comm", ["1bit", "allgather", "pbit"])
+def test_vote_tally_counts_unanimous_and_tied_coordinates(comm):
+    got = spawn(tally_worker, 2, comm)
+    if comm == "1bit":  # each rank decides its own chunk: together they cover the bucket once
+        totals = [sum(r[i] for r in got) for i in range(3)]
+    else:               # every rank decides the whole bucket
+        assert got[0][:3] == got[1][:3]
+        totals = list(got[0][:3])
+    assert totals == [1000, 400, 400]
+    assert all(r[3] >= 0.0 for r in got)

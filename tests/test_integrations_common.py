@@ -20,11 +20,15 @@ def test_import_dlion_imports_no_framework():
 
 
 def test_comm_figures_are_per_step_deltas():
-    before = {"bytes_sent": 1000, "bytes_received": 600, "steps": 4}
-    now = {"bytes_sent": 1000 + 3 * 250, "bytes_received": 600 + 3 * 150, "steps": 7}
+    before = {"bytes_sent": 1000, "bytes_received": 600, "steps": 4, "wait_s": 1.0, "voted": 50, "unanimous": 10,
+              "tied": 5}
+    now = {"bytes_sent": 1000 + 3 * 250, "bytes_received": 600 + 3 * 150, "steps": 7, "wait_s": 1.3,
+           "voted": 50 + 200, "unanimous": 10 + 150, "tied": 5 + 20}
     f = comm_figures(now, before, num_params=100)
-    assert f == {"comm/steps": 7.0, "comm/bytes_sent_per_step": 250.0, "comm/bytes_received_per_step": 150.0,
-                 "comm/bits_per_param_per_step": 8.0 * 400 / 100}
+    assert f == pytest.approx({"comm/steps": 7.0, "comm/bytes_sent_per_step": 250.0,
+                               "comm/bytes_received_per_step": 150.0, "comm/bits_per_param_per_step": 8.0 * 400 / 100,
+                               "comm/wait_ms_per_step": 100.0, "comm/vote_unanimous_fraction": 0.75,
+                               "comm/vote_tied_fraction": 0.1})
     assert comm_figures(now, now, num_params=100) == {"comm/steps": 7.0}  # no step in between
 
 
@@ -38,7 +42,7 @@ def test_comm_meter_reads_windows():
     opt.comm_stats.add("test", 300, 120)  # as if the three steps had moved 300 / 120 bytes
     assert meter.read() == {"comm/steps": 3.0, "comm/bytes_sent_per_step": 100.0,
                             "comm/bytes_received_per_step": 40.0,
-                            "comm/bits_per_param_per_step": 8.0 * 420 / (3 * 10)}
+                            "comm/bits_per_param_per_step": 8.0 * 420 / (3 * 10), "comm/wait_ms_per_step": 0.0}
     assert meter.read() == {"comm/steps": 3.0}
     with pytest.raises(TypeError, match="must be a dlion.DistributedLion"):
         CommMeter(torch.optim.SGD(model.parameters(), lr=0.1))

@@ -85,6 +85,15 @@ class Outcome:
     digests_agree: bool = True  # every rank sent the same hyperparameter digest
     ranks_bad: list = field(default_factory=list)        # which ranks, where the wire format tells
     ranks_nonfinite: list = field(default_factory=list)
+    #: int64 [coordinates voted on, unanimous (|s| = N), tied (s = 0, some vote)] over the coordinates
+    #: this rank decided (its chunk for ``1bit``, the whole bucket otherwise); None for ``quantized``
+    tally: Optional[Tensor] = None
+
+
+def vote_tally(s: Tensor, nz: Tensor, world: int, real: int) -> Tensor:
+    """[voted, unanimous, tied] over the first ``real`` coordinates of (s, nz) (the rest is padding)."""
+    s, nz = s[:max(0, real)], nz[:max(0, real)]
+    return torch.stack([(nz > 0).sum(), (s.abs() == world).sum(), ((s == 0) & (nz > 0)).sum()]).to(torch.int64)
 
 
 @dataclass
@@ -347,6 +356,7 @@ class OneBit(Algorithm):
         s, nz = self._count(payloads[:, :codec.nbytes(c)], fmt, N, c, _runs_table(hdrs, k, fmt, info), cap, lo,
                             numel, info["abstains"])
         mine = self.rule.decide(s, nz, key=key, start=lo)
+        out.tally = vote_tally(s, nz, N, numel - lo)
         # way back: every rank gathers every chunk's codes
         codec = self._codes_codec(info["abstains"], state.down)
         block = self._down_block(mine, numel, lo, codec, cap)
@@ -406,6 +416,7 @@ class AllGather(Algorithm):
         s, nz = self._count(payloads[:, :codec.nbytes(n)], fmt, N, n, _runs_table(hdrs, k, fmt, info), cap, 0,
                             numel, info["abstains"])
         out.codes = self.rule.decide(s, nz, key=key, start=0)
+        out.tally = vote_tally(s, nz, N, numel)
         return out
 
 
@@ -487,6 +498,7 @@ class PBit(Algorithm):
             s = t.to(torch.int16).mul_(2).sub_(N)
             nz = torch.full_like(s, N)
         out.codes = self.rule.decide(s, nz, key=key, start=0)
+        out.tally = vote_tally(s, nz, N, numel)
         return out
 
 

@@ -50,13 +50,18 @@ def bytes_moved(kind: str, nbytes: int, world: int) -> float:
 @dataclass
 class CommStats:
     """Cumulative traffic of one rank: bytes sent and received through collectives,
-    the number of collective calls and of optimizer steps, and a split by purpose."""
+    the number of collective calls and of optimizer steps, a split by purpose, the
+    time spent blocked on collectives, and how the votes this rank decided went."""
 
     bytes_sent: int = 0
     bytes_received: int = 0
     collectives: int = 0
     steps: int = 0
     by_kind: dict = field(default_factory=dict)
+    wait_s: float = 0.0     # seconds step() spent blocked on collectives (not what overlap hid)
+    voted: int = 0          # coordinates this rank decided the vote of (its 1/N share with 1bit)
+    unanimous: int = 0      # … where every rank voted the same sign (|s| = N)
+    tied: int = 0           # … where the votes cancelled (s = 0, some rank voted)
 
     def add(self, kind: str, sent: float, received: float) -> None:
         self.bytes_sent += int(round(sent))
@@ -75,7 +80,8 @@ class CommStats:
     def state_dict(self) -> dict:
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
                 "collectives": self.collectives, "steps": self.steps,
-                "by_kind": {k: list(v) for k, v in self.by_kind.items()}}
+                "by_kind": {k: list(v) for k, v in self.by_kind.items()}, "wait_s": self.wait_s,
+                "voted": self.voted, "unanimous": self.unanimous, "tied": self.tied}
 
     def load_state_dict(self, d: dict) -> None:
         self.bytes_sent = int(d["bytes_sent"])
@@ -83,6 +89,8 @@ class CommStats:
         self.collectives = int(d["collectives"])
         self.steps = int(d["steps"])
         self.by_kind = {k: list(v) for k, v in d.get("by_kind", {}).items()}
+        self.wait_s = float(d.get("wait_s", 0.0))
+        self.voted, self.unanimous, self.tied = (int(d.get(k, 0)) for k in ("voted", "unanimous", "tied"))
 
 
 def _all_gather(out: Tensor, inp: Tensor, **kw):

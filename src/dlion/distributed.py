@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import struct
+import time
 import warnings
 import zlib
 from typing import Callable, Iterable, Optional, Union
@@ -77,6 +78,7 @@ class _Flight:
     def __init__(self, gen, first: GroupTransport):
         self.gen = gen
         self.outcome: Optional[Outcome] = None
+        self.waited = 0.0  # seconds blocked in wait()
         kind, send, label = next(gen)
         self.work, self.out = first.issue(kind, send, label)
 
@@ -85,7 +87,9 @@ class _Flight:
         while self.outcome is None:
             if not block and not self.work.is_completed():
                 return False
+            t = time.perf_counter()
             self.work.wait()
+            self.waited += time.perf_counter() - t
             try:
                 kind, send, label = self.gen.send(self.out)
             except StopIteration as stop:
@@ -426,6 +430,13 @@ class DistributedLion(Lion):
     def _finish(self, step_no: int, st: _Step) -> None:
         """Apply Δ and update momenta — or, if any rank failed, change nothing anywhere."""
         outcomes = [f.outcome for f in st.flights]
+        self.comm_stats.wait_s += sum(f.waited for f in st.flights)
+        tallies = [o.tally for o in outcomes if o.tally is not None]
+        if tallies:
+            voted, unanimous, tied = torch.stack(tallies).sum(0).tolist()
+            self.comm_stats.voted += voted
+            self.comm_stats.unanimous += unanimous
+            self.comm_stats.tied += tied
         errors = [e for e in st.errors if e is not None]
         if errors:
             raise errors[0]

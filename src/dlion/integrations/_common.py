@@ -93,8 +93,11 @@ def comm_figures(now: dict, before: Optional[dict], num_params: int, prefix: str
     """Per-step communication figures between two ``CommStats.state_dict()`` snapshots
     (``before=None``: since the start): bytes sent and received per optimizer step,
     bits per parameter per step (sent + received, as
-    ``CommStats.bits_per_param_per_step``), and the total number of optimizer steps.
-    Without a step in between, only the step count is returned."""
+    ``CommStats.bits_per_param_per_step``), milliseconds per step that ``step()`` spent
+    blocked on collectives, the fractions of the coordinates this rank decided the vote of
+    where the vote was unanimous (|s| = N) or tied (s = 0) — when there were votes — and
+    the total number of optimizer steps. Without a step in between, only the step count
+    is returned."""
     before = before or {"bytes_sent": 0, "bytes_received": 0, "steps": 0}
     steps = now["steps"] - before["steps"]
     out = {f"{prefix}steps": float(now["steps"])}
@@ -105,6 +108,11 @@ def comm_figures(now: dict, before: Optional[dict], num_params: int, prefix: str
     out[f"{prefix}bytes_sent_per_step"] = sent / steps
     out[f"{prefix}bytes_received_per_step"] = received / steps
     out[f"{prefix}bits_per_param_per_step"] = 8.0 * (sent + received) / (num_params * steps) if num_params else 0.0
+    out[f"{prefix}wait_ms_per_step"] = 1e3 * (now.get("wait_s", 0.0) - before.get("wait_s", 0.0)) / steps
+    voted = now.get("voted", 0) - before.get("voted", 0)
+    if voted > 0:
+        out[f"{prefix}vote_unanimous_fraction"] = (now["unanimous"] - before.get("unanimous", 0)) / voted
+        out[f"{prefix}vote_tied_fraction"] = (now["tied"] - before.get("tied", 0)) / voted
     return out
 
 
