@@ -57,9 +57,12 @@ Every call is collective when a process group is initialised: all ranks call
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
+import re
+import shutil
 import tempfile
 import warnings
 from dataclasses import dataclass, field
@@ -193,7 +196,8 @@ def _check_save_path(path: str) -> str:
     path = os.fspath(path)
     if os.path.isdir(path):
         raise IsADirectoryError(f"checkpoint path {path!r} is a directory; give a file path such as "
-                                f"{os.path.join(path, 'checkpoint.pt')!r}.")
+                                f"{os.path.join(path, 'checkpoint.pt')!r} (or pass sharded=True to write a "
+                                "sharded checkpoint directory).")
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"cannot save checkpoint {path!r}: directory {directory!r} does not exist.")
@@ -203,11 +207,15 @@ def _check_save_path(path: str) -> str:
 def read(path) -> dict:
     """Read and verify a checkpoint file; return its payload (no process group needed).
 
+    For a sharded checkpoint (a directory) this returns its header only: format,
+    version, ``layout="sharded"``, world size, step, extra, optimizer config and
+    class, the model's keys, ``save_id`` (the tensors stay on disk).
+
     Raises ``FileNotFoundError``, ``IsADirectoryError`` or :class:`CheckpointError`
     (not a dlion checkpoint, truncated, checksum mismatch, unsupported version)."""
     path = os.fspath(path)
     if os.path.isdir(path):
-        raise IsADirectoryError(f"checkpoint path {path!r} is a directory, not a checkpoint file.")
+        return _ShardedSource(path).header
     if not os.path.exists(path):
         raise FileNotFoundError(f"checkpoint {path!r} does not exist.")
     with open(path, "rb") as f:
@@ -280,7 +288,7 @@ def _check_loadable(obj, what: str) -> None:
 
 
 def save(path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, step: Any = None,
-         extra: Any = None, verify_replicas: bool = True, group=None) -> None:
+         extra: Any = None, verify_replicas: bool = True, sharded: bool = False, group=None) -> None:
     """Write a checkpoint of ``model`` (once) and every rank's ``optimizer`` state to ``path``.
 
     Collective: every rank of ``group`` (default: the world) must call it. Rank 0
@@ -294,7 +302,13 @@ def save(path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     (vote, ties, seed, aggregate), step, extra, the model's ``state_dict()``,
     the list of every rank's ``optimizer.state_dict()``, every rank's RNG state,
     and a SHA-256 of all that.
+
+    ``sharded=True`` writes a ``torch.distributed.checkpoint`` directory at ``path``
+    instead: every rank writes its own momenta (and its share of the model) in
+    parallel, and no rank ever holds another rank's state (see the module docstring).
     """
+    if sharded:
+        return _save_sharded(path, model, optimizer, step, extra, verify_replicas, group)
     distributed, rank, world = _group_info(group)
     error = None
     try:
@@ -464,14 +478,405 @@ def _apply_optimizer_state(optimizer: torch.optim.Optimizer, sd: dict) -> None:
                 state[name] = v.to(device=state[name].device).clone()
 
 
+class _FileSource:
+    """A single-file checkpoint, read and verified by :func:`read` (every rank holds all of it)."""
+
+    def __init__(self, obj: dict):
+        self.obj = obj
+        self.world_size = int(obj["world_size"])
+        self.has_optimizer = obj.get("optimizer") is not None
+
+    def model_entries(self) -> dict:
+        return self.obj["model"]
+
+    def model_state(self) -> dict:
+        return self.obj["model"]
+
+    def rank_state(self, r: int) -> dict:
+        return self.obj["optimizer"][r]
+
+    def mean_state(self, src: int) -> dict:
+        states = self.obj["optimizer"]
+        return _mean_state(states, states[src])
+
+    def rng(self, r: int):
+        rng = self.obj.get("rng")
+        return rng[r] if rng else None
+
+
+def _prepare(path, source, head, model, optimizer, info: LoadInfo, notes: list, momenta: str, strict: bool):
+    """Check the checkpoint against the model and optimizer; return (this rank's optimizer state, model state)."""
+    saved_world, world, rank = source.world_size, info.world_size, info.rank
+    _check_model(path, source.model_entries(), model)
+    opt_sd = None
+    if optimizer is not None:
+        if not source.has_optimizer:
+            raise CheckpointError(f"checkpoint {path!r} holds no optimizer state (it was saved with optimizer=None).")
+        if head.get("optimizer_class") and head["optimizer_class"] != type(optimizer).__name__:
+            raise CheckpointError(f"checkpoint {path!r} holds {head['optimizer_class']} state; the optimizer is a "
+                                  f"{type(optimizer).__name__}.")
+        current = _optimizer_config(optimizer.state_dict()) if hasattr(optimizer, "rule") else {}
+        saved_cfg = dict(head.get("optimizer_config", {}))
+        saved_cfg.pop("world_size", None)
+        current.pop("world_size", None)
+        info.config_changes = {k: (saved_cfg[k], current[k]) for k in saved_cfg
+                               if k in current and saved_cfg[k] != current[k]}
+        if info.config_changes:
+            what = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in info.config_changes.items())
+            if strict:
+                raise CheckpointError(f"checkpoint {path!r} was written with another optimizer config ({what}); "
+                                      "strict=True.")
+            notes.append(f"optimizer config changed ({what})")
+        if saved_world == world:
+            opt_sd = source.rank_state(rank)
+            saved_rank = opt_sd.get("dlion", {}).get("rank", rank)
+            if saved_rank != rank:
+                raise CheckpointError(f"checkpoint {path!r}: entry {rank} holds rank {saved_rank}'s state.")
+            info.policy, info.source_ranks = "exact", [rank]
+        else:
+            if strict:
+                raise CheckpointError(f"checkpoint {path!r} was written by {saved_world} ranks; this job has "
+                                      f"{world} (strict=True refuses to adapt the per-rank momenta).")
+            if momenta == "mean":
+                opt_sd = source.mean_state(rank % saved_world)
+                info.source_ranks = list(range(saved_world))
+            else:
+                opt_sd = source.rank_state(rank % saved_world)
+                info.source_ranks = [rank % saved_world]
+            info.policy = momenta
+            if "dlion" in opt_sd:
+                opt_sd = dict(opt_sd, dlion=dict(opt_sd["dlion"], world_size=world, rank=rank))
+            notes.append(f"resized {saved_world} -> {world} ranks: momenta = "
+                         + ("mean of all saved ranks" if momenta == "mean" else f"saved rank {rank % saved_world}'s")
+                         + f", counters from saved rank {rank % saved_world}")
+        _check_optimizer_state(path, opt_sd, optimizer)
+    elif saved_world != world and strict:
+        raise CheckpointError(f"checkpoint {path!r} was written by {saved_world} ranks; this job has {world} "
+                              "(strict=True).")
+    model_sd = source.model_state()
+    return opt_sd, model_sd
+
+
+# ---------------------------------------------------------------------------
+# sharded checkpoints: a torch.distributed.checkpoint (DCP) directory
+# ---------------------------------------------------------------------------
+
+#: Upper bound on the bytes one DCP read brings into memory while loading a sharded checkpoint
+#: (tensors are read in groups of at most this size; one larger tensor is read alone).
+READ_CHUNK_BYTES = 256 << 20
+_HEADER_KEY = "dlion.header"
+_DCP_FILE = re.compile(r"__\d+_\d+\.distcp\Z")
+
+
+def _rank_key(r: int) -> str:
+    return f"dlion.rank{r}"
+
+
+def _momentum_key(r: int, pid, name: str) -> str:
+    return f"optimizer.rank{r}.state.{pid}.{name}"
+
+
+def _to_bytes_tensor(obj) -> torch.Tensor:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _from_bytes_tensor(t: torch.Tensor, what: str):
+    try:
+        return torch.load(io.BytesIO(t.numpy().tobytes()), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{what} cannot be loaded safely: {e}") from e
+
+
+def _split_state(sd: dict) -> tuple[dict, list, dict]:
+    """An optimizer ``state_dict()`` without its floating tensors of ndim ≥ 1 (the momenta, which are
+    written as tensors of their own), the list of (param id, name) taken out, and those tensors."""
+    rest_state, keys, tensors = {}, [], {}
+    for pid, st in sd["state"].items():
+        kept = {}
+        for name, v in st.items():
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() >= 1:
+                keys.append((pid, name))
+                tensors[(pid, name)] = v.detach()
+            else:
+                kept[name] = v
+        rest_state[pid] = kept
+    return dict(sd, state=rest_state), keys, tensors
+
+
+@contextlib.contextmanager
+def _dcp_quiet():
+    with warnings.catch_warnings():
+        # no_dist=True is what we mean (each rank reads on its own), not a misconfiguration
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+class _ShardedSource:
+    """A sharded checkpoint directory: metadata and header read at construction, tensors on demand
+    (without collectives: each rank reads what it needs, in chunks of at most READ_CHUNK_BYTES)."""
+
+    def __init__(self, path):
+        import torch.distributed.checkpoint as dcp
+
+        self._dcp = dcp
+        self.path = os.fspath(path)
+        if not os.path.exists(os.path.join(self.path, ".metadata")):
+            raise IsADirectoryError(f"checkpoint path {self.path!r} is a directory without a '.metadata' file: not a "
+                                    "sharded checkpoint (or an unfinished one).")
+        try:
+            self.meta = dcp.FileSystemReader(self.path).read_metadata().state_dict_metadata
+        except Exception as e:
+            raise CheckpointError(f"checkpoint {self.path!r}: cannot read its DCP metadata: {e}") from e
+        if _HEADER_KEY not in self.meta:
+            raise CheckpointError(f"{self.path!r} is a DCP checkpoint but not a dlion one (no {_HEADER_KEY!r}).")
+        self.header = _from_bytes_tensor(self._read({_HEADER_KEY: self._empty(_HEADER_KEY)})[_HEADER_KEY],
+                                         f"checkpoint {self.path!r}: header")
+        h = self.header
+        if not isinstance(h, dict) or h.get("format") != "dlion-checkpoint" or h.get("layout") != "sharded":
+            raise CheckpointError(f"checkpoint {self.path!r} has an unexpected header.")
+        if h.get("version") != FORMAT_VERSION:
+            raise CheckpointError(f"checkpoint {self.path!r} has format version {h.get('version')!r}; this dlion "
+                                  f"reads version {FORMAT_VERSION}.")
+        self.world_size = int(h["world_size"])
+        self.has_optimizer = bool(h["has_optimizer"])
+        self._ranks: dict = {}
+
+    def _empty(self, key: str) -> torch.Tensor:
+        m = self.meta.get(key)
+        if m is None or not hasattr(m, "size"):
+            raise CheckpointError(f"checkpoint {self.path!r} has no tensor {key!r}.")
+        return torch.empty(tuple(m.size), dtype=m.properties.dtype)
+
+    def _read(self, targets: dict) -> dict:
+        try:
+            with _dcp_quiet():
+                self._dcp.load(targets, storage_reader=self._dcp.FileSystemReader(self.path), no_dist=True)
+        except Exception as e:
+            raise CheckpointError(f"checkpoint {self.path!r}: reading {len(targets)} tensor(s) failed: {e}") from e
+        return targets
+
+    def _read_chunked(self, keys: list) -> dict:
+        out, batch, size = {}, {}, 0
+        for key in keys:
+            t = self._empty(key)
+            if batch and size + t.nbytes > READ_CHUNK_BYTES:
+                out.update(self._read(batch))
+                batch, size = {}, 0
+            batch[key] = t
+            size += t.nbytes
+        if batch:
+            out.update(self._read(batch))
+        return out
+
+    def model_entries(self) -> dict:
+        """Stand-ins with the saved shapes and dtypes (for the checks; nothing is read)."""
+        out = {}
+        for k in self.header["model_keys"]:
+            m = self.meta.get("model." + k)
+            if m is None or not hasattr(m, "size"):
+                raise CheckpointError(f"checkpoint {self.path!r} lists model entry {k!r} but does not hold it.")
+            out[k] = torch.empty(tuple(m.size), dtype=m.properties.dtype, device="meta")
+        return out
+
+    def model_state(self) -> dict:
+        keys = self.header["model_keys"]
+        got = self._read_chunked(["model." + k for k in keys])
+        return {k: got["model." + k] for k in keys}
+
+    def _rank_entry(self, r: int) -> dict:
+        if r not in self._ranks:
+            key = _rank_key(r)
+            self._ranks[r] = _from_bytes_tensor(self._read({key: self._empty(key)})[key],
+                                                f"checkpoint {self.path!r}: rank {r}'s record")
+        return self._ranks[r]
+
+    def rank_state(self, r: int) -> dict:
+        entry = self._rank_entry(r)
+        sd = entry["optimizer"]
+        keys = entry["tensors"]
+        got = self._read_chunked([_momentum_key(r, pid, name) for pid, name in keys])
+        state = {pid: dict(st) for pid, st in sd["state"].items()}
+        for pid, name in keys:
+            state[pid][name] = got[_momentum_key(r, pid, name)]
+        return dict(sd, state=state)
+
+    def mean_state(self, src: int) -> dict:
+        """Like :func:`_mean_state` over the N saved ranks, reading one group of tensors of one
+        rank at a time (memory: this rank's result plus one fp64 accumulator group)."""
+        n = self.world_size
+        entries = [self._rank_entry(r) for r in range(n)]
+        base_sd = entries[src]["optimizer"]
+        owners: dict = {}                     # (pid, name) -> saved ranks that have it, in rank order
+        for r, e in enumerate(entries):
+            for key in e["tensors"]:
+                owners.setdefault(tuple(key), []).append(r)
+        pids = sorted({pid for e in entries for pid in e["optimizer"]["state"]}
+                      | {pid for pid, _ in owners}, key=lambda k: (str(type(k)), k))
+        state = {}
+        for pid in pids:
+            base = base_sd["state"].get(pid)
+            if base is None:
+                base = next(e["optimizer"]["state"][pid] for e in entries if pid in e["optimizer"]["state"])
+            state[pid] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in base.items()}
+        # group the tensors so that one group's fp64 accumulators stay under READ_CHUNK_BYTES
+        groups, cur, size = [], [], 0
+        for key in owners:
+            nb = self._empty(_momentum_key(owners[key][0], *key)).numel() * 8
+            if cur and size + nb > READ_CHUNK_BYTES:
+                groups.append(cur)
+                cur, size = [], 0
+            cur.append(key)
+            size += nb
+        if cur:
+            groups.append(cur)
+        for keys in groups:
+            totals, dtypes = {}, {}
+            for r in range(n):
+                mine = [k for k in keys if r in owners[k]]
+                got = self._read_chunked([_momentum_key(r, *k) for k in mine])
+                for k in mine:
+                    v = got[_momentum_key(r, *k)]
+                    if k not in totals:
+                        totals[k] = torch.zeros(v.shape, dtype=torch.float64)
+                        dtypes[k] = v.dtype
+                    if r == src:
+                        dtypes[k] = v.dtype
+                    totals[k] += v.to(torch.float64)
+            for (pid, name), total in totals.items():
+                state[pid][name] = (total / n).to(dtypes[(pid, name)])
+        return dict(base_sd, state=state)
+
+    def rng(self, r: int):
+        return self._rank_entry(r).get("rng")
+
+
+def _check_dir_path(path: str) -> None:
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise NotADirectoryError(f"cannot save a sharded checkpoint to {path!r}: it is a file (sharded=True writes "
+                                 "a directory).")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"cannot save checkpoint {path!r}: directory {parent!r} does not exist.")
+    if os.path.isdir(path):
+        other = [f for f in os.listdir(path) if f != ".metadata" and not _DCP_FILE.match(f)]
+        if other:
+            raise CheckpointError(f"refusing to replace {path!r}: it is a directory holding files that are not part "
+                                  f"of a DCP checkpoint ({', '.join(map(repr, sorted(other)[:3]))}).")
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+
+
+def _save_sharded(path, model: nn.Module, optimizer, step, extra, verify_replicas: bool, group) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    distributed, rank, world = _group_info(group)
+    error = None
+    try:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        path = os.fspath(path)
+        if rank == 0:
+            _check_dir_path(path)
+            _check_loadable(extra, "extra")
+    except Exception as e:
+        error = e
+    digests = None
+    if error is None and verify_replicas and distributed and world > 1:
+        digests = [(name, _tensor_digest(t.detach())) for name, t in model.named_parameters()]
+    token = os.urandom(8).hex()
+    if distributed and world > 1:
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, (None if error is None else f"rank {rank}: {type(error).__name__}: {error}",
+                                          digests, token), group=group)
+        bad = [m for m, _, _ in everyone if m is not None]
+        if bad:
+            if error is not None:
+                raise error
+            raise CheckpointError(f"checkpoint save to {path!r} abandoned: {bad[0]}")
+        if verify_replicas:
+            _compare_replicas([{"digests": d} for _, d, _ in everyone])  # the same verdict on every rank
+        token = everyone[0][2]
+    elif error is not None:
+        raise error
+
+    # What this rank writes. Parameters are identical everywhere: every rank offers them and DCP's planner
+    # keeps one copy of each (written once, spread over the ranks). Buffers are rank-local: rank 0's.
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    model_sd = model.state_dict()
+    for k, v in model_sd.items():
+        if not isinstance(v, torch.Tensor):
+            raise CheckpointError(f"model state_dict entry {k!r} is a {type(v).__name__}, not a tensor; sharded "
+                                  "checkpoints hold tensors only (use the single-file format).")
+    sd = {"model." + k: v.detach() for k, v in model_sd.items() if k in params or rank == 0}
+    record = {"optimizer": None, "tensors": [], "rng": _rng_state()}
+    if optimizer is not None:
+        rest, keys, tensors = _split_state(optimizer.state_dict())
+        record.update(optimizer=rest, tensors=keys)
+        for (pid, name), t in tensors.items():
+            sd[_momentum_key(rank, pid, name)] = t   # this rank's momenta, under keys of its own
+    sd[_rank_key(rank)] = _to_bytes_tensor(record)
+    if rank == 0:
+        sd[_HEADER_KEY] = _to_bytes_tensor({
+            "format": "dlion-checkpoint", "version": FORMAT_VERSION, "layout": "sharded", "world_size": world,
+            "step": step, "extra": extra, "save_id": token,
+            "optimizer_config": _optimizer_config(record["optimizer"]),
+            "optimizer_class": type(optimizer).__name__ if optimizer is not None else None,
+            "has_optimizer": optimizer is not None, "model_keys": list(model_sd),
+            "torch_version": str(torch.__version__)})
+
+    # Written next to the target, then swapped in by rank 0: a failed save leaves the old checkpoint.
+    parent, base = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(parent, f".{base}.tmp-{token}")
+    outcome = None
+    try:
+        with _dcp_quiet():
+            dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), process_group=group,
+                     no_dist=not (distributed and world > 1))
+    except Exception as e:  # DCP reports a failed write on every rank
+        outcome = e
+    if rank == 0:
+        try:
+            if outcome is not None:
+                raise outcome
+            old = os.path.join(parent, f".{base}.old-{token}")
+            if os.path.isdir(path):
+                _check_dir_path(path)
+                os.replace(path, old)
+            os.replace(tmp, path)
+            _fsync_dir(parent)
+            shutil.rmtree(old, ignore_errors=True)
+        except Exception as e:
+            outcome = e
+            shutil.rmtree(tmp, ignore_errors=True)
+    if distributed and world > 1:
+        msg = None if outcome is None else (type(outcome).__name__, str(outcome))
+        msg = _broadcast_from_root(msg, group)
+        if rank != 0 and msg is not None:
+            raise CheckpointError(f"sharded checkpoint save to {path!r} failed ({msg[0]}): {msg[1]}")
+    if outcome is not None:
+        raise outcome
+
+
 def load(path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *, momenta: str = "mean",
          strict: bool = False, restore_rng: bool = True, group=None) -> LoadInfo:
     """Load a checkpoint written by :func:`save` into ``model`` and (optionally) ``optimizer``.
 
-    Collective when a process group is initialised: every rank reads ``path``
-    and verifies it, and all ranks raise if any rank cannot (missing file on
+    ``path`` is a checkpoint file, or a directory written with ``save(..., sharded=True)``
+    (detected). Collective when a process group is initialised: every rank reads
+    ``path`` and verifies it, and all ranks raise if any rank cannot (missing file on
     one host, a different file, a bad checksum). Nothing is modified until the
-    file has been verified and checked against the model and optimizer.
+    checkpoint has been verified and checked against the model and optimizer.
 
     Same world size: rank r gets saved rank r's optimizer state and RNG state,
     so training continues bitwise. Another world size: ``momenta="mean"``
@@ -485,19 +890,22 @@ def load(path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     distributed, rank, world = _group_info(group)
-    obj, error = None, None
+    sharded = os.path.isdir(os.fspath(path))
+    obj, error, ident = None, None, None
     try:
-        obj = read(path)
+        if sharded:
+            obj = _ShardedSource(path)
+            ident = obj.header["save_id"]
+        else:
+            obj = read(path)
+            with open(path, "rb") as f:
+                f.seek(-_TRAILER_LEN, os.SEEK_END)
+                ident = f.read()
     except Exception as e:
         error = e
     if distributed and world > 1:
-        digest = None
-        if obj is not None:
-            with open(path, "rb") as f:
-                f.seek(-_TRAILER_LEN, os.SEEK_END)
-                digest = f.read()
         views: list = [None] * world
-        dist.all_gather_object(views, (None if error is None else f"{type(error).__name__}: {error}", digest),
+        dist.all_gather_object(views, (None if error is None else f"{type(error).__name__}: {error}", ident),
                                group=group)
         for r, (err, _) in enumerate(views):
             if err is not None:
@@ -505,73 +913,43 @@ def load(path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
                     raise error
                 raise CheckpointError(f"rank {r} cannot read the checkpoint: {err}")
         if any(d != views[0][1] for _, d in views):
-            raise CheckpointError(f"ranks read different checkpoint files at {path!r} (their checksums differ); "
-                                  "every rank must see the same file.")
+            raise CheckpointError(f"ranks read different checkpoints at {path!r} (their "
+                                  f"{'save ids' if sharded else 'checksums'} differ); every rank must see the same "
+                                  f"{'directory' if sharded else 'file'}.")
     elif error is not None:
         raise error
     path = os.fspath(path)
-    saved_world = int(obj["world_size"])
+    head = obj.header if sharded else obj
+    source = obj if sharded else _FileSource(obj)
+    saved_world = source.world_size
 
-    # -- check everything before changing anything ------------------------------
-    _check_model(path, obj["model"], model)
-    info = LoadInfo(path=path, step=obj.get("step"), extra=obj.get("extra"), saved_world_size=saved_world,
+    # -- check (and, for a sharded checkpoint, read) everything before changing anything ----------
+    info = LoadInfo(path=path, step=head.get("step"), extra=head.get("extra"), saved_world_size=saved_world,
                     world_size=world, rank=rank, policy="none")
-    opt_sd = None
-    notes = []
-    if optimizer is not None:
-        states = obj.get("optimizer")
-        if states is None:
-            raise CheckpointError(f"checkpoint {path!r} holds no optimizer state (it was saved with optimizer=None).")
-        if obj.get("optimizer_class") and obj["optimizer_class"] != type(optimizer).__name__:
-            raise CheckpointError(f"checkpoint {path!r} holds {obj['optimizer_class']} state; the optimizer is a "
-                                  f"{type(optimizer).__name__}.")
-        current = _optimizer_config(optimizer.state_dict()) if hasattr(optimizer, "rule") else {}
-        saved_cfg = dict(obj.get("optimizer_config", {}))
-        saved_cfg.pop("world_size", None)
-        current.pop("world_size", None)
-        info.config_changes = {k: (saved_cfg[k], current[k]) for k in saved_cfg
-                               if k in current and saved_cfg[k] != current[k]}
-        if info.config_changes:
-            what = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in info.config_changes.items())
-            if strict:
-                raise CheckpointError(f"checkpoint {path!r} was written with another optimizer config ({what}); "
-                                      "strict=True.")
-            notes.append(f"optimizer config changed ({what})")
-        if saved_world == world:
-            opt_sd = states[rank]
-            saved_rank = opt_sd.get("dlion", {}).get("rank", rank)
-            if saved_rank != rank:
-                raise CheckpointError(f"checkpoint {path!r}: entry {rank} holds rank {saved_rank}'s state.")
-            info.policy, info.source_ranks = "exact", [rank]
-        else:
-            if strict:
-                raise CheckpointError(f"checkpoint {path!r} was written by {saved_world} ranks; this job has "
-                                      f"{world} (strict=True refuses to adapt the per-rank momenta).")
-            src = states[rank % saved_world]
-            if momenta == "mean":
-                opt_sd = _mean_state(states, src)
-                info.source_ranks = list(range(saved_world))
-            else:
-                opt_sd = src
-                info.source_ranks = [rank % saved_world]
-            info.policy = momenta
-            if "dlion" in opt_sd:
-                opt_sd = dict(opt_sd, dlion=dict(opt_sd["dlion"], world_size=world, rank=rank))
-            notes.append(f"resized {saved_world} -> {world} ranks: momenta = "
-                         + ("mean of all saved ranks" if momenta == "mean" else f"saved rank {rank % saved_world}'s")
-                         + f", counters from saved rank {rank % saved_world}")
-        _check_optimizer_state(path, opt_sd, optimizer)
-    elif saved_world != world and strict:
-        raise CheckpointError(f"checkpoint {path!r} was written by {saved_world} ranks; this job has {world} "
-                              "(strict=True).")
+    notes: list = []
+    try:
+        opt_sd, model_sd = _prepare(path, source, head, model, optimizer, info, notes, momenta, strict)
+        error = None
+    except Exception as e:
+        error = e
+    if distributed and world > 1:  # apply only if every rank can (no half-loaded job)
+        oks: list = [None] * world
+        dist.all_gather_object(oks, None if error is None else f"{type(error).__name__}: {error}", group=group)
+        for r, err in enumerate(oks):
+            if err is not None:
+                if error is not None:
+                    raise error
+                raise CheckpointError(f"rank {r} cannot load the checkpoint (nothing was changed): {err}")
+    elif error is not None:
+        raise error
 
     # -- apply ---------------------------------------------------------------
     with torch.no_grad():
-        model.load_state_dict(obj["model"], strict=True)
+        model.load_state_dict(model_sd, strict=True)
     if opt_sd is not None:
         _apply_optimizer_state(optimizer, opt_sd)
-    if restore_rng and saved_world == world and obj.get("rng"):
-        rng = obj["rng"][rank]
+    rng = source.rng(rank) if restore_rng and saved_world == world else None
+    if rng is not None:
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
