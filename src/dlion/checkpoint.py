@@ -51,8 +51,38 @@ communication counters come from saved rank r mod N. The RNG state is not
 restored after a resize. :func:`load` emits a :class:`CheckpointWarning` and
 returns a :class:`LoadInfo` that says what it did.
 
+Sharded checkpoints (``save(..., sharded=True)``)
+------------------------------------------------
+For jobs whose N momenta should not pass through one process, :func:`save` with
+``sharded=True`` writes a ``torch.distributed.checkpoint`` (DCP) directory with
+``dcp.save``: one ``__<rank>_0.distcp`` file per rank plus DCP's ``.metadata``.
+Rank r writes its own momenta under keys of its own,
+``optimizer.rank<r>.state.<param id>.<name>`` (DCP's default planner keeps only
+one copy of a tensor offered under the same key by several ranks, so per-rank
+state needs per-rank keys), and ``dlion.rank<r>``: the rest of its
+``optimizer.state_dict()`` (step counts, communication counters, wire formats,
+``skipped_steps``) and its RNG state, as ``torch.save`` bytes. Every rank offers
+the parameters as ``model.<name>`` and DCP writes each once, spread over the
+ranks; buffers (rank-local, e.g. BatchNorm statistics) are rank 0's. Rank 0 adds
+``dlion.header`` (format, version, world size, step, extra, optimizer config and
+class, model keys, a random save id). The state is built here from
+``optimizer.state_dict()``, not with ``get_optimizer_state_dict`` (which drops
+``state_dict()["dlion"]`` and may run a step to create state). The directory is
+written next to ``path`` and renamed over it by rank 0 once every rank has
+written, so a failed save leaves the previous checkpoint; DCP's writer needs a
+filesystem that every rank sees.
+
+:func:`load` recognises a directory. Each rank reads only what it needs, with
+``dcp.load(no_dist=True)`` (no collectives inside DCP) in groups of at most
+:data:`READ_CHUNK_BYTES`: at the same world size, the model and rank r's own
+entries; with ``"modulo"``, saved rank r mod N's; with ``"mean"``, all N saved
+momenta, one group at a time into fp64 sums. Momenta go in through
+``optimizer.load_state_dict``, so :class:`dlion.DistributedLion`'s state stays a
+view of its flat bucket buffers.
+
 Every call is collective when a process group is initialised: all ranks call
-:func:`save` and :func:`load` together (like ``dist.barrier``).
+:func:`save` and :func:`load` together (like ``dist.barrier``). :func:`load`
+applies nothing unless every rank has read and checked what it needs.
 """
 
 from __future__ import annotations
