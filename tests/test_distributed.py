@@ -442,3 +442,34 @@ def test_vote_tally_counts_unanimous_and_tied_coordinates(comm):
         totals = list(got[0][:3])
     assert totals == [1000, 400, 400]
     assert all(r[3] >= 0.0 for r in got)
+
+
+def extra_backward_worker(rank, world, overlap):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = dlion.DistributedLion(model.parameters(), lr=0.05, overlap=overlap, comm="1bit",
+                                bucket_cap_mb=64 * 4 / 2**20)  # several buckets
+    g = torch.Generator().manual_seed(rank)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the extra backward is legitimate: no warning
+        for t in range(3):
+            opt.zero_grad()
+            model(torch.randn(5, 8, generator=g)).pow(2).sum().backward()
+            if t >= 1:  # steps 1 and 2: two backwards, then step (no no_sync)
+                model(torch.randn(5, 8, generator=g)).pow(3).sum().backward()
+            opt.step()
+    return [p.detach().clone() for p in model.parameters()], \
+        [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+
+
+def test_step_after_an_extra_backward_uses_the_accumulated_gradients_with_overlap():
+    """overlap=True, backward, backward, step: what overlap=False (and torch.optim) gives, bitwise,
+    on every rank — not the Δ of the first backward only."""
+    plain = spawn(extra_backward_worker, 2, False, timeout_s=30)
+    overlapped = spawn(extra_backward_worker, 2, True, timeout_s=30)
+    for (pa, ma), (pb, mb) in zip(plain, overlapped):
+        for x, y in zip(pa + ma, pb + mb):
+            assert torch.equal(x, y)
+    for x, y in zip(plain[0][0], plain[1][0]):
+        assert torch.equal(x, y)

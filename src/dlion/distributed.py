@@ -110,6 +110,7 @@ class _Step:
         self.seen: set = set()
         self.issued = 0    # buckets 0 … issued−1 have their first collective in flight
         self.advanced = 0  # buckets 0 … advanced−1 are done
+        self.stale = False  # a gradient was accumulated again after its bucket was sent
 
 
 class DistributedLion(Lion):
@@ -135,7 +136,11 @@ class DistributedLion(Lion):
             steps) or ``"doubling"`` (after steps 1, 2, 4, 8, …).
         overlap: start each bucket's local math and first collective from gradient
             hooks during backward. Use :meth:`no_sync` for all but the last
-            micro-batch when accumulating gradients.
+            micro-batch when accumulating gradients: a backward outside it sends the
+            buckets, and a further backward before ``step()`` makes ``step()`` finish
+            and drop that exchange and send the accumulated gradients again (the result
+            of plain ``torch.optim``, at the cost of one wasted exchange). Every rank
+            must run the same backwards between steps (as with DDP).
         bucket_cap_mb: bucket size, counted as fp32 parameters like DDP.
         seed: seeds the tie coins (``ties="random"``).
         check_every: every K steps compare a checksum of every parameter across
@@ -388,6 +393,10 @@ class DistributedLion(Lion):
                 loss = closure()
         self._check_frozen()
         step_no = self.step_count
+        if self._step is not None and self._step.stale:
+            # Another backward accumulated into gradients already sent (overlap=True without no_sync):
+            # like torch.optim, step with the accumulated .grad — finish and drop the exchange, send again.
+            self._discard_in_flight()
         if self._step is None:
             self._step = _Step(self)
         st = self._step
@@ -522,12 +531,16 @@ class DistributedLion(Lion):
         if self._step is not None:
             warnings.warn("DistributedLion: zero_grad() discards the communication started by the last backward "
                           "(no step() followed it).", stacklevel=2)
-            for pending in self._step.pending:
-                pending.clear()
-            self._issue_ready(self.step_count)
-            self._advance(block=True)
-            self._step = None
+            self._discard_in_flight()
         super().zero_grad(set_to_none=set_to_none)
+
+    def _discard_in_flight(self) -> None:
+        """Complete the step in flight on every rank (all buckets, in order) and drop its outcome."""
+        for pending in self._step.pending:
+            pending.clear()
+        self._issue_ready(self.step_count)
+        self._advance(block=True)
+        self._step = None
 
     # -- Lion Cub extras ---------------------------------------------------------
     @torch.no_grad()
@@ -581,9 +594,8 @@ class DistributedLion(Lion):
             self._step = _Step(self)
         st = self._step
         if (k, j) in st.seen:
-            warnings.warn("DistributedLion(overlap=True): a gradient was accumulated again after its bucket "
-                          "was sent; wrap all micro-batches but the last in opt.no_sync(), and call step() or "
-                          "zero_grad() after each backward.", stacklevel=3)
+            # An extra backward without no_sync(): step() will exchange the accumulated gradients afresh.
+            st.stale = True
             return
         st.seen.add((k, j))
         st.pending[k].discard(j)
