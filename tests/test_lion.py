@@ -267,3 +267,15 @@ def test_bf16_momentum_survives_a_state_dict_round_trip():
 def test_bad_momentum_dtype(bad):
     with pytest.raises(ValueError, match="momentum_dtype must be None or a floating-point torch.dtype"):
         dlion.Lion([torch.zeros(2, requires_grad=True)], momentum_dtype=bad)
+
+
+def test_lion_accepts_named_parameters_like_torch_optim():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = dlion.Lion(model.named_parameters(), lr=0.1)
+    assert opt.param_groups[0]["param_names"] == ["weight", "bias"]
+    opt2 = dlion.Lion([{"params": list(model.named_parameters()), "lr": 0.2}])
+    assert opt2.param_groups[0]["param_names"] == ["weight", "bias"] and opt2.param_groups[0]["lr"] == 0.2
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    assert opt.state_dict()["param_groups"][0]["param_names"] == ["weight", "bias"]

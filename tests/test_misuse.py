@@ -152,3 +152,42 @@ def test_gradscaler_with_an_inf_gradient_on_one_rank_skips_on_every_rank():
         assert scales == scales0 and skipped == skipped0
         for a, b in zip(params, params0):
             assert torch.equal(a, b)
+
+
+def named_order_worker(rank, world, named):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))  # two layers of the same shapes
+    params = list(model.named_parameters()) if named else list(model.parameters())
+    if rank == 2:  # this rank lists the layers the other way round
+        params = params[2:] + params[:2]
+    try:
+        dlion.DistributedLion(params, lr=0.1)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def named_train_worker(rank, world, named):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    opt = dlion.DistributedLion(model.named_parameters() if named else model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(5, 4, generator=g)).square().sum().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], opt.param_groups[0].get("param_names")
+
+
+def test_parameters_in_another_order_on_one_rank_raise_when_named():
+    """With model.named_parameters() the names are compared at construction: every rank raises, naming
+    the parameter and the ranks. Without names the same mistake is not detectable (the user's contract)."""
+    for err in spawn(named_order_worker, 3, True, timeout_s=30):
+        assert err is not None and ("ranks disagree on the model at parameter 0: it is '2.weight' on rank 2 and "
+                                    "'0.weight' on rank 0") in err
+    assert spawn(named_order_worker, 3, False, timeout_s=30) == [None] * 3
+    named = spawn(named_train_worker, 2, True, timeout_s=30)
+    plain = spawn(named_train_worker, 2, False, timeout_s=30)
+    for (pa, names), (pb, _) in zip(named, plain):  # names change nothing else
+        assert names == ["0.weight", "0.bias", "2.weight", "2.bias"]
+        assert all(torch.equal(x, y) for x, y in zip(pa, pb))

@@ -49,7 +49,7 @@ from .aggregation import VoteRule, coin_key
 from .algorithms import ALGORITHMS, BAD, NONFINITE, Contribution, Outcome, WireState, choose_algorithm, make_algorithm
 from .buckets import Bucket, RankBuffers, Scratch, apply_scaled_delta, contribute, layout_buckets, update_momentum
 from .collectives import CommStats, GroupTransport
-from .lion import Lion, check_grad
+from .lion import Lion, _flatten_spec, check_grad
 from .quantize import NORMS, levels
 
 __all__ = ["DistributedLion", "DesyncError", "momentum_sync_due"]
@@ -265,7 +265,13 @@ class DistributedLion(Lion):
                 self.nonfinite, str(self.momentum_dtype))
 
     def _check_same_model(self) -> None:
-        mine = [(tuple(p.shape), str(p.dtype).replace("torch.", ""), bool(p.requires_grad)) for p in self._params]
+        """Shapes, dtypes, requires_grad and, when the parameters were given with names
+        (``model.named_parameters()``), names, in order, and the options: the same on every rank.
+        Without names, two same-shape parameters in another order on one rank cannot be told
+        apart (building the model the same way on every rank is the user's contract)."""
+        names = [n for g in self.param_groups for n in g.get("param_names", [None] * len(g["params"]))]
+        mine = [(tuple(p.shape), str(p.dtype).replace("torch.", ""), bool(p.requires_grad), n)
+                for p, n in zip(self._params, names)]
         everyone: list = [None] * self.world_size
         dist.all_gather_object(everyone, (mine, self._config()), group=self.process_group)
         ref, ref_cfg = everyone[0]
@@ -275,6 +281,12 @@ class DistributedLion(Lion):
                     f"DistributedLion: ranks disagree on the model: rank {r} has {len(theirs)} parameters, "
                     f"rank 0 has {len(ref)}.")
             for i, (a, b) in enumerate(zip(ref, theirs)):
+                if a[3] is not None and b[3] is not None and a[3] != b[3]:
+                    raise ValueError(
+                        f"DistributedLion: ranks disagree on the model at parameter {i}: it is {b[3]!r} on rank "
+                        f"{r} and {a[3]!r} on rank 0 (parameters in another order, or another model); the initial "
+                        "broadcast would copy one parameter's weights into another. Give the parameters in the "
+                        "same order on every rank.")
                 if a[:2] != b[:2]:
                     raise ValueError(
                         f"DistributedLion: ranks disagree on the model at parameter {i}: rank {r} has shape "
@@ -687,15 +699,7 @@ def _reject_unsupported(params: list) -> None:
         from torch.distributed.tensor import DTensor
     except ImportError:  # older torch
         DTensor = ()
-    flat = []
-    for item in params:
-        if isinstance(item, dict):
-            ps = item.get("params", [])
-            ps = item["params"] = [ps] if isinstance(ps, Tensor) else list(ps)
-            flat.extend(ps)
-        else:
-            flat.append(item)
-    for i, p in enumerate(flat):
+    for i, p in enumerate(_flatten_spec(params)):
         if DTensor and isinstance(p, DTensor):
             raise ValueError(
                 f"DistributedLion: parameter {i} (shape {tuple(p.shape)}) is a DTensor (FSDP2 fully_shard or tensor "

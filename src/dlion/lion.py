@@ -227,7 +227,9 @@ class Lion(torch.optim.Optimizer):
 
 
 def _flatten_spec(params: list) -> list:
-    """The tensors of a params argument: tensors, or dicts with a "params" entry."""
+    """The tensors of a params argument: tensors, ``(name, tensor)`` pairs (``model.named_parameters()``,
+    which ``torch.optim`` keeps as ``param_groups[i]["param_names"]``), or dicts with a "params" entry
+    of either."""
     out = []
     for item in params:
         if isinstance(item, dict):
@@ -237,7 +239,7 @@ def _flatten_spec(params: list) -> list:
             out.extend([ps] if isinstance(ps, Tensor) else ps)
         else:
             out.append(item)
-    return out
+    return [p[1] if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) else p for p in out]
 
 
 def _use_foreach(flag: Optional[bool], params: list[Tensor]) -> bool:
