@@ -13,8 +13,8 @@ Design choices
 --------------
 * **One file, written by rank 0.** Rank 0 holds N copies of the optimizer
   state while saving (N × the momenta, in CPU memory). That is simple and
-  atomic; a job whose N momenta do not fit in one host's memory would need
-  per-rank shards plus a manifest instead.
+  atomic; for a job whose N momenta should not pass through one process, use
+  ``sharded=True`` (below).
 * **Atomic.** Rank 0 writes to a temporary file in the same directory,
   ``fsync``\\ s it, and ``os.replace``\\ s it over ``path`` (then fsyncs the
   directory). A crash or an exception mid-save leaves the previous checkpoint
@@ -102,7 +102,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["save", "load", "read", "LoadInfo", "CheckpointError", "CheckpointWarning", "FORMAT_VERSION", "MAGIC"]
+__all__ = ["save", "load", "read", "LoadInfo", "CheckpointError", "CheckpointWarning", "FORMAT_VERSION", "MAGIC",
+           "READ_CHUNK_BYTES"]
 
 FORMAT_VERSION = 1
 MAGIC = b"DLION-CHECKPOINT\n"
