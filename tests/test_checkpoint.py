@@ -48,7 +48,12 @@ def snapshot(model, opt):
     return dict(params=[p.detach().clone() for p in model.parameters()],
                 momenta={k: v["exp_avg"].clone() for k, v in sd["state"].items()},
                 steps={k: v["step"].clone() for k, v in sd["state"].items()},
-                stats=opt.comm_stats.state_dict(), rng=torch.get_rng_state())
+                stats=counters(opt.comm_stats.state_dict()), rng=torch.get_rng_state())
+
+
+def counters(stats: dict) -> dict:
+    """The communication counters without ``wait_s``: a wall-clock time, never bitwise reproducible."""
+    return {k: v for k, v in stats.items() if k != "wait_s"}
 
 
 def assert_same(a, b):
