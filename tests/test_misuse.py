@@ -120,16 +120,17 @@ def test_checkpoints_save_models_with_batchnorm(tmp_path):
         assert torch.equal(loaded_mean, results[0][2])  # every rank resumes with rank 0's buffers
 
 
-def scaler_worker(rank, world):
+def scaler_worker(rank, world, dtype=torch.float32):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2)).to(dtype)  # bf16: torch.amp-style params
     opt = dlion.DistributedLion(model.parameters(), lr=0.01, comm="1bit")
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
     g = torch.Generator().manual_seed(rank)
     scales, skipped = [], []
     for t in range(6):
         opt.zero_grad()
-        loss = model(torch.randn(4, 6, generator=g)).pow(2).mean()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype != torch.float32):
+            loss = model(torch.randn(4, 6, generator=g).to(dtype)).float().pow(2).mean()
         scaler.scale(loss).backward()
         if rank == 1 and t == 2:
             model[0].weight.grad[0, 0] = float("inf")  # an overflow on one rank only
@@ -140,14 +141,16 @@ def scaler_worker(rank, world):
     return [p.detach().clone() for p in model.parameters()], scales, skipped
 
 
-def test_gradscaler_with_an_inf_gradient_on_one_rank_skips_on_every_rank():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradscaler_with_an_inf_gradient_on_one_rank_skips_on_every_rank(dtype):
     # The private GradScaler record that DistributedLion writes its global decision into (pinned here).
     record = torch.amp.GradScaler("cpu")._per_optimizer_states[0]
     assert {"stage", "found_inf_per_device"} <= set(record) and record["stage"].name == "READY"
-    results = spawn(scaler_worker, 3, timeout_s=60)
+    results = spawn(scaler_worker, 3, dtype, timeout_s=60)
     params0, scales0, skipped0 = results[0]
     assert skipped0 == [0, 0, 1, 1, 1, 1]          # the overflow step is skipped on every rank
     assert scales0[2] == scales0[1] / 2             # and every scaler backs off once
+    assert all(p.dtype == dtype for p in params0)
     for params, scales, skipped in results[1:]:
         assert scales == scales0 and skipped == skipped0
         for a, b in zip(params, params0):
