@@ -49,7 +49,7 @@ from .aggregation import VoteRule, coin_key
 from .algorithms import ALGORITHMS, BAD, NONFINITE, Contribution, Outcome, WireState, choose_algorithm, make_algorithm
 from .buckets import Bucket, RankBuffers, Scratch, apply_scaled_delta, contribute, layout_buckets, update_momentum
 from .collectives import CommStats, GroupTransport
-from .lion import Lion, _flatten_spec, check_grad
+from .lion import Lion, param_tensors, check_grad
 from .quantize import NORMS, levels
 
 __all__ = ["DistributedLion", "DesyncError", "momentum_sync_due"]
@@ -699,7 +699,7 @@ def _reject_unsupported(params: list) -> None:
         from torch.distributed.tensor import DTensor
     except ImportError:  # older torch
         DTensor = ()
-    for i, p in enumerate(_flatten_spec(params)):
+    for i, p in enumerate(param_tensors(params)):
         if DTensor and isinstance(p, DTensor):
             raise ValueError(
                 f"DistributedLion: parameter {i} (shape {tuple(p.shape)}) is a DTensor (FSDP2 fully_shard or tensor "

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["Lion", "lion_presign", "lion_momentum_update", "apply_update", "check_hyperparameters",
-           "check_momentum_dtype"]
+           "check_momentum_dtype", "param_tensors"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -152,7 +152,7 @@ class Lion(torch.optim.Optimizer):
         self.momentum_dtype = momentum_dtype
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize, foreach=foreach)
         params = list(params)
-        check_params(_flatten_spec(params))  # before torch.optim's own (warning-only) duplicate check
+        check_params(param_tensors(params))  # before torch.optim's own (warning-only) duplicate check
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -226,7 +226,7 @@ class Lion(torch.optim.Optimizer):
         return loss
 
 
-def _flatten_spec(params: list) -> list:
+def param_tensors(params: list) -> list:
     """The tensors of a params argument: tensors, ``(name, tensor)`` pairs (``model.named_parameters()``,
     which ``torch.optim`` keeps as ``param_groups[i]["param_names"]``), or dicts with a "params" entry
     of either."""

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ..distributed import DistributedLion
 
 __all__ = ["TESTED_VERSIONS", "CommMeter", "comm_figures", "unwrap_optimizer", "rank_state_path",
-           "save_rank_state", "load_rank_state", "rank_state_exists_everywhere"]
+           "save_rank_state", "load_rank_state", "rank_state_exists_everywhere", "to_cpu"]
 
 #: The framework versions the adapters were written against and tested with
 #: (the ``hf`` and ``lightning`` extras pin them). The adapters override a few
@@ -175,13 +175,13 @@ def rank_state_path(directory: str, rank: int) -> str:
     return os.path.join(os.fspath(directory), RANK_FILE.format(rank=rank))
 
 
-def _to_cpu(obj):
+def to_cpu(obj):
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()
     if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
+        return {k: to_cpu(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
+        return type(obj)(to_cpu(v) for v in obj)
     return obj
 
 
@@ -196,7 +196,7 @@ def save_rank_state(directory: str, optimizer: Any) -> str:
     try:
         os.makedirs(os.fspath(directory), exist_ok=True)
         payload = {"format": RANK_FORMAT, "version": RANK_FORMAT_VERSION, "rank": rank, "world_size": world,
-                   "optimizer": _to_cpu(opt.state_dict())}
+                   "optimizer": to_cpu(opt.state_dict())}
         fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp",
                                    dir=os.path.dirname(os.path.abspath(path)))
         try:

@@ -57,7 +57,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ..distributed import DistributedLion
-from ._common import CommMeter, _to_cpu, broadcast_buffers, check_version, require_dlion, require_method
+from ._common import CommMeter, to_cpu, broadcast_buffers, check_version, require_dlion, require_method
 
 __all__ = ["DLionStrategy", "CommLogger", "OVERRIDDEN", "register"]
 
@@ -129,7 +129,7 @@ class DLionStrategy(DDPStrategy):
         into ``checkpoint["dlion"]`` on rank 0, which writes the file."""
         if "optimizer_states" in checkpoint and dist.is_available() and dist.is_initialized() \
                 and self.world_size > 1:
-            mine = _to_cpu(checkpoint["optimizer_states"])
+            mine = to_cpu(checkpoint["optimizer_states"])
             everyone = [None] * self.world_size if self.is_global_zero else None
             dist.gather_object(mine, everyone, dst=0)
             if self.is_global_zero:

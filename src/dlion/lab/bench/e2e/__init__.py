@@ -54,9 +54,9 @@ import time
 from typing import Optional
 
 from .instrument import Instrument
-from .launch import _env_worker, _run_cluster, _run_loopback, make_batches, run_methods
+from .launch import e2e_env_worker, run_e2e_cluster, run_e2e_loopback, make_batches, run_methods
 from .methods import BASELINES, DLION, GROUPS, LABELS, METHODS, POWERSGD_START_ITER, MethodRun, label, parse_methods
-from .report import _report, headline, overlap, overlap_lines, plot, profile_lines, summarize, table
+from .report import write_report, headline, overlap, overlap_lines, plot, profile_lines, summarize, table
 
 # The package: methods (names, groups, labels, one method on one rank), instrument (byte
 # counting of the DDP hooks' traffic), launch (the per-rank loop; loopback and virtual-cluster
@@ -110,7 +110,7 @@ def main(argv: list[str]) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
     if args.worker is not None:
-        return _env_worker(json.loads(args.worker))
+        return e2e_env_worker(json.loads(args.worker))
     if args.replot:
         with open(args.replot) as f:
             doc = json.load(f)
@@ -170,10 +170,10 @@ def main(argv: list[str]) -> int:
     t_start = time.time()
     try:
         if args.loopback:
-            failed = _run_loopback(args, cfg, raw, bar)
+            failed = run_e2e_loopback(args, cfg, raw, bar)
         else:
-            failed = _run_cluster(args, cfg, links, raw, bar)
+            failed = run_e2e_cluster(args, cfg, links, raw, bar)
     finally:
         if bar is not None:
             bar.close()
-    return _report(args, cfg, methods, links, raw, failed, time.time() - t_start, argv)
+    return write_report(args, cfg, methods, links, raw, failed, time.time() - t_start, argv)

@@ -86,7 +86,7 @@ def _cluster_rank(rank: int, world: int, cfg: dict, emit: Callable[[dict], None]
     run_methods(rank, world, cfg, train_ids, vocab_size, emit)
 
 
-def _env_worker(cfg: dict) -> int:
+def e2e_env_worker(cfg: dict) -> int:
     """One rank inside the virtual cluster (env:// rendezvous): prints a TICK line per step
     (rank 0) and a RESULT line with JSON per method."""
     return env_worker(_cluster_rank, cfg, timeout_s=cfg["timeout"])
@@ -101,7 +101,7 @@ def _by_method(per_rank: list[list[dict]]) -> dict:
     return got
 
 
-def _run_loopback(args, cfg: dict, raw: dict, bar) -> Optional[str]:
+def run_e2e_loopback(args, cfg: dict, raw: dict, bar) -> Optional[str]:
     # Imported once here so that the forked ranks inherit them: DDP's hooks and the torch._dynamo
     # that DDP's constructor imports take seconds to import.
     import torch._dynamo  # noqa: F401
@@ -119,7 +119,7 @@ def _run_loopback(args, cfg: dict, raw: dict, bar) -> Optional[str]:
     return None
 
 
-def _run_cluster(args, cfg: dict, links: list, raw: dict, bar) -> Optional[str]:
+def run_e2e_cluster(args, cfg: dict, links: list, raw: dict, bar) -> Optional[str]:
     from dlion.lab.cluster import ClusterError, RootRequiredError, exit_code
 
     prefix = args.prefix or f"dle{os.getpid() % 100000}"

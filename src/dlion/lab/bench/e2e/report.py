@@ -233,7 +233,7 @@ def _options_without_out(argv: list[str]) -> list[str]:
     return out
 
 
-def _report(args, cfg: dict, methods: list[str], links: list, raw: dict, failed: Optional[str],
+def write_report(args, cfg: dict, methods: list[str], links: list, raw: dict, failed: Optional[str],
             elapsed: float, argv: list[str]) -> int:
     world = args.workers
     results, tables, heads = [], [], {}
