@@ -8,6 +8,8 @@ __version__ = "0.2.0"
 
 from .lion import Lion
 from .distributed import DesyncError, DistributedLion
+from .hierarchical import HierarchicalDistributedLion
 from .simulate import SimulatedDistributedLion
 
-__all__ = ["Lion", "DistributedLion", "DesyncError", "SimulatedDistributedLion", "__version__"]
+__all__ = ["Lion", "DistributedLion", "DesyncError", "SimulatedDistributedLion", "HierarchicalDistributedLion",
+           "__version__"]

@@ -16,6 +16,7 @@ over one rank's links, each way,
 * ``all_to_all`` of B bytes (N blocks of B/N):   B·(N−1)/N
 * ``all_gather`` of B bytes per rank:            B·(N−1)          (ring)
 * ``all_reduce`` of B bytes:                     2·B·(N−1)/N      (ring: reduce-scatter + all-gather)
+* ``reduce_scatter`` of B bytes (N blocks):      B·(N−1)/N        (ring; the hierarchical optimizer's gradients)
 
 Never SUM-all-reduce bit-packed bytes: the bits would carry into each other;
 :func:`pack_fields` leaves every counter a field wide enough for its sum.
@@ -33,12 +34,12 @@ from torch import Tensor
 __all__ = ["CommStats", "GroupTransport", "simulate_collective", "bytes_moved", "field_width", "pack_fields",
            "unpack_fields", "COLLECTIVES"]
 
-COLLECTIVES = ("all_to_all", "all_gather", "all_reduce")
+COLLECTIVES = ("all_to_all", "all_gather", "all_reduce", "reduce_scatter")
 
 
 def bytes_moved(kind: str, nbytes: int, world: int) -> float:
     """Bytes one rank sends (and receives) for one collective whose per-rank input is ``nbytes``."""
-    if kind == "all_to_all":
+    if kind in ("all_to_all", "reduce_scatter"):
         return nbytes * (world - 1) / world
     if kind == "all_gather":
         return nbytes * (world - 1)
@@ -99,6 +100,12 @@ def _all_gather(out: Tensor, inp: Tensor, **kw):
     return fn(out, inp, **kw)
 
 
+def _reduce_scatter(out: Tensor, inp: Tensor, **kw):
+    # torch 2.13 renames reduce_scatter_tensor to reduce_scatter_single; accept both (looked up per call).
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, **kw)
+
+
 class GroupTransport:
     """One rank's end of a process group: asynchronous collectives on flat tensors.
 
@@ -123,6 +130,9 @@ class GroupTransport:
         elif kind == "all_reduce":
             out = send
             work = dist.all_reduce(out, group=self.group, async_op=True)
+        elif kind == "reduce_scatter":  # SUM; this rank gets block `rank` of N equal blocks
+            out = torch.empty(send.numel() // self.world, dtype=send.dtype, device=send.device)
+            work = _reduce_scatter(out, send, group=self.group, async_op=True)
         else:
             raise ValueError(f"unknown collective {kind!r}")
         moved = bytes_moved(kind, nbytes, self.world)

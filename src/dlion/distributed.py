@@ -640,6 +640,11 @@ class DistributedLion(Lion):
     def load_state_dict(self, state_dict: dict) -> None:
         state_dict = dict(state_dict)
         extra = state_dict.pop("dlion", None)
+        if extra is not None and extra.get("hierarchical") is not None:
+            raise ValueError(
+                "DistributedLion cannot load this state: it was saved by dlion.HierarchicalDistributedLion, which "
+                "keeps one momentum per node, sharded across the node's ranks; DistributedLion keeps one per rank. "
+                "Resume with HierarchicalDistributedLion on the same mesh.")
         super().load_state_dict(state_dict)
         # The momenta live in the buckets' flat buffers: copy the loaded values in and re-point the state.
         for b, buf in zip(self.buckets, self._buffers):
