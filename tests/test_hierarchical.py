@@ -179,3 +179,231 @@ def test_one_rank_per_node_is_exactly_flat_distributed_lion(world):
             # the same bytes between nodes as the flat optimizer between ranks (minus its one-time DDP check)
             flat_bytes = f["stats"]["bytes_sent"] - f["stats"]["by_kind"].get("check", [0])[0]
             assert h["stats"]["bytes_sent"] == flat_bytes, cfg
+
+
+# -- bytes between nodes and momentum memory -----------------------------------------------------
+
+class GroupTap:
+    """Counts, independently of the library, the bytes handed to torch.distributed's collectives,
+    split by whether the group spans nodes (ranks r // L differ) or stays inside one."""
+
+    def __init__(self, local_world):
+        import torch.distributed as dist
+        self.dist, self.L, self.orig = dist, local_world, {}
+        self.bytes = {"inter": 0.0, "intra": 0.0}
+        self.calls = {"inter": [], "intra": []}
+        for name in ("all_to_all_single", "all_gather_into_tensor", "all_gather_single", "all_reduce",
+                     "reduce_scatter_tensor", "reduce_scatter_single"):
+            if hasattr(dist, name):
+                self.orig[name] = getattr(dist, name)
+                setattr(dist, name, self._wrap(name, self.orig[name]))
+
+    def _wrap(self, name, fn):
+        def wrapper(*a, **k):
+            group = k.get("group")
+            n = self.dist.get_world_size(group)
+            ranks = self.dist.get_process_group_ranks(group) if group is not None else list(range(n))
+            where = "inter" if len({r // self.L for r in ranks}) > 1 else "intra"
+            t = a[1] if name != "all_reduce" else a[0]  # the input tensor
+            b = t.numel() * t.element_size()
+            factor = {"all_reduce": 2 * (n - 1) / n, "all_to_all_single": (n - 1) / n,
+                      "reduce_scatter_tensor": (n - 1) / n, "reduce_scatter_single": (n - 1) / n}.get(name, n - 1)
+            self.bytes[where] += b * factor
+            self.calls[where].append((name, b))
+            return fn(*a, **k)
+        return wrapper
+
+    def close(self):
+        for name, fn in self.orig.items():
+            setattr(self.dist, name, fn)
+
+
+BIG = 400_000
+
+
+def bytes_worker(rank, world, configs):
+    mesh = make_mesh((2, 2))
+    out = []
+    for cfg in configs:
+        torch.manual_seed(0)
+        params = [torch.randn(BIG, requires_grad=True), torch.randn(40, requires_grad=True)]
+        opt = dlion.HierarchicalDistributedLion(params, lr=1e-3, mesh=mesh, **cfg)
+        flat = dlion.DistributedLion([p.detach().clone().requires_grad_() for p in params], lr=1e-3)
+        g = torch.Generator().manual_seed(rank)
+        tap = GroupTap(2)
+        try:
+            for _ in range(3):
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=g)
+                opt.step()
+        finally:
+            tap.close()
+        sd = opt.state_dict()
+        out.append(dict(tap=(tap.bytes, tap.calls), stats=opt.comm_stats.state_dict(),
+                        local=opt.local_stats.state_dict(), num_params=opt.num_params,
+                        hier_momentum_bytes=sum(m.numel() * m.element_size()
+                                                for m in sd["dlion"]["hierarchical"]["momentum"]),
+                        flat_momentum_bytes=sum(flat.state[p]["exp_avg"].numel() * flat.state[p]["exp_avg"].element_size()
+                                                for p in flat._params),
+                        momentum_numel=opt.momentum_numel))
+    return out
+
+
+def test_bytes_between_nodes_stay_near_the_bound_spread_over_local_ranks_and_momentum_is_sharded():
+    """Per step, the bytes a rank sends to other nodes are within 1.1x of (1 + b)(n-1)/n bits per
+    parameter divided by the L local ranks (each carries its slice); comm_stats counts exactly what
+    reaches torch.distributed on the inter-node groups; momentum memory per rank is 1/L of flat's."""
+    cfgs = [dict(vote="mavo", comm="1bit"), dict(vote="mavo", ties="random", comm="1bit"),
+            dict(vote="avg", comm="1bit"), dict(vote="mavo", comm="auto")]
+    bits = [1.6, 1.0, 2.0, 1.6]  # b for two voters: base-3 ties, random ties, ⌈log2 3⌉, (auto: all-gather, 1 bit)
+    results = spawn(bytes_worker, 4, cfgs, timeout_s=300)
+    n_nodes, L, steps = 2, 2, 3
+    for c, (cfg, b) in enumerate(zip(cfgs, bits)):
+        per_node = 0.0
+        for rank, res in enumerate(r[c] for r in results):
+            (tapped, calls), st, n = res["tap"], res["stats"], res["num_params"]
+            assert n == BIG + 40
+            assert st["bytes_sent"] == pytest.approx(tapped["inter"], abs=len(calls["inter"])), cfg
+            assert res["local"]["bytes_sent"] == pytest.approx(tapped["intra"], abs=len(calls["intra"])), cfg
+            bound = (1 + b) * (n_nodes - 1) / n_nodes * n / 8 / L  # this rank's share, bytes per step
+            sent = tapped["inter"] / steps
+            assert 0.9 * bound <= sent <= 1.1 * bound or (cfg["comm"] == "auto" and sent <= 1.1 * bound), \
+                (cfg, rank, sent, bound)
+            per_node += sent if rank < L else 0.0
+            # nothing but the vote crosses nodes: the fp32 gradients stay inside
+            assert {name for name, _ in calls["inter"]} <= {"all_to_all_single", "all_gather_single",
+                                                            "all_gather_into_tensor", "all_reduce"}
+            assert all(nb < 4 * n / L / 8 for _, nb in calls["inter"]), cfg  # no fp32-sized payload
+            # momentum: this rank holds its slice of the node's momentum, 1/L of the flat optimizer's
+            assert res["hier_momentum_bytes"] == 4 * res["momentum_numel"]
+            assert res["flat_momentum_bytes"] == 4 * n
+            # (slices differ by the bucket's padding: fewer than 40·n_nodes·L coordinates)
+            assert abs(res["hier_momentum_bytes"] - res["flat_momentum_bytes"] / L) <= 4 * 40 * n_nodes * L, cfg
+        assert per_node <= 1.1 * (1 + b) * (n_nodes - 1) / n_nodes * (BIG + 40) / 8
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+
+def _hier(params, mesh, **kw):
+    return dlion.HierarchicalDistributedLion(params, lr=LR, betas=BETAS, weight_decay=WD, mesh=mesh, comm="1bit",
+                                             seed=5, **kw)
+
+
+def _train(opt, params, rank, steps):
+    for t in steps:
+        for p, g in zip(params, grads_for(rank, t, False)):
+            p.grad = g
+        opt.step()
+
+
+def checkpoint_worker(rank, world):
+    import torch.distributed as dist
+    mesh = make_mesh((2, 2))
+    params = [p.requires_grad_() for p in init_params(rank)]
+    opt = _hier(params, mesh, ties="random")
+    _train(opt, params, rank, range(3))
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)  # this rank's state: its slices of its node's momentum
+    saved_params = [p.detach().clone() for p in params]
+    _train(opt, params, rank, range(3, STEPS))
+    straight = [p.detach().clone() for p in params]
+    straight_m = [m.clone() for m in opt.state_dict()["dlion"]["hierarchical"]["momentum"]]
+
+    resumed = [p.clone().requires_grad_() for p in saved_params]
+    opt2 = _hier(resumed, mesh, ties="random")
+    opt2.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+    _train(opt2, resumed, rank, range(3, STEPS))
+    out = dict(straight=straight, resumed=[p.detach().clone() for p in resumed],
+               straight_m=straight_m, resumed_m=opt2.state_dict()["dlion"]["hierarchical"]["momentum"],
+               steps=(opt.comm_stats.steps, opt2.comm_stats.steps),
+               step_state=[opt2.state[p]["step"].item() for p in resumed])
+
+    errors = {}
+    hier_sd = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    flat_params = [p.clone().requires_grad_() for p in saved_params]
+    flat = dlion.DistributedLion(flat_params, lr=LR, comm="1bit")
+    _train(flat, flat_params, rank, range(1))
+    try:
+        flat.load_state_dict(hier_sd)
+    except ValueError as e:
+        errors["hier->flat"] = str(e)
+    try:
+        _hier([p.clone().requires_grad_() for p in saved_params], mesh).load_state_dict(flat.state_dict())
+    except ValueError as e:
+        errors["flat->hier"] = str(e)
+    # another rank's shard (the other local rank of the node): refused, not silently mixed in
+    others = [None] * world
+    dist.all_gather_object(others, buf.getvalue())
+    neighbour = torch.load(io.BytesIO(others[rank ^ 1]), weights_only=True)
+    try:
+        _hier([p.clone().requires_grad_() for p in saved_params], mesh).load_state_dict(neighbour)
+    except ValueError as e:
+        errors["neighbour"] = str(e)
+    out["errors"] = errors
+    return out
+
+
+def test_checkpoint_resumes_bitwise_on_the_mesh_and_flat_hierarchical_mixes_are_refused():
+    for rank, res in enumerate(spawn(checkpoint_worker, 4, timeout_s=300)):
+        for k, (a, b) in enumerate(zip(res["straight"], res["resumed"])):
+            assert torch.equal(a, b), f"rank {rank} parameter {k}: resumed run differs from the uninterrupted one"
+        for a, b in zip(res["straight_m"], res["resumed_m"]):
+            assert torch.equal(a, b)
+        assert res["steps"] == (STEPS, STEPS)
+        assert res["step_state"][0] == STEPS and res["step_state"][2] == 0  # parameter 2 never had a gradient
+        err = res["errors"]
+        assert "saved by dlion.HierarchicalDistributedLion" in err["hier->flat"]
+        assert "saved by a flat optimizer" in err["flat->hier"]
+        assert "Momentum shards cannot be re-cut" in err["neighbour"] and f"local {rank % 2}" in err["neighbour"]
+
+
+# -- errors are rank-consistent ------------------------------------------------------------------
+
+def errors_worker(rank, world):
+    mesh = make_mesh((2, 2))
+    out = {}
+    # an LR changed on one rank only (rank 3: node 1, local 1)
+    params = [p.requires_grad_() for p in init_params(rank)]
+    opt = _hier(params, mesh)
+    _train(opt, params, rank, range(1))
+    if rank == 3:
+        opt.param_groups[0]["lr"] = LR / 2
+    before = [p.detach().clone() for p in params]
+    try:
+        _train(opt, params, rank, range(1, 2))
+    except ValueError as e:
+        out["lr"] = (str(e), all(torch.equal(a, b) for a, b in zip(before, params)))
+    # inf on one rank: every rank skips the step
+    params = [p.requires_grad_() for p in init_params(rank)]
+    opt = _hier(params, mesh)
+    _train(opt, params, rank, range(1))
+    before = [p.detach().clone() for p in params]
+    for p, g in zip(params, grads_for(rank, 1, True)):
+        p.grad = g
+    if rank == 1:
+        params[6].grad[3, 3] = float("inf")
+    opt.step()
+    out["inf"] = (opt.skipped_steps, all(torch.equal(a, b) for a, b in zip(before, params)))
+    # a sparse gradient on rank 2: its ValueError there, RuntimeError elsewhere, nothing changed
+    for p, g in zip(params, grads_for(rank, 2, True)):
+        p.grad = g
+    if rank == 2:
+        params[1].grad = params[1].grad.to_sparse()
+    try:
+        opt.step()
+    except (ValueError, RuntimeError) as e:
+        out["sparse"] = (type(e).__name__, str(e), all(torch.equal(a, b) for a, b in zip(before, params)))
+    return out
+
+
+def test_bad_inputs_on_one_rank_stop_or_skip_every_rank_and_change_nothing():
+    for rank, res in enumerate(spawn(errors_worker, 4, timeout_s=120)):
+        msg, unchanged = res["lr"]
+        assert "ranks disagree on lr, betas, weight_decay or maximize at step 1" in msg and unchanged
+        assert res["inf"] == (1, True)
+        kind, msg, unchanged = res["sparse"]
+        assert unchanged
+        if rank == 2:
+            assert kind == "ValueError" and "has a sparse gradient" in msg
+        else:
+            assert kind == "RuntimeError" and "another rank rejected its gradients" in msg
