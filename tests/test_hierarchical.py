@@ -393,6 +393,17 @@ def errors_worker(rank, world):
         opt.step()
     except (ValueError, RuntimeError) as e:
         out["sparse"] = (type(e).__name__, str(e), all(torch.equal(a, b) for a, b in zip(before, params)))
+    # check_every: replicas compared across the whole mesh; a replica changed behind its back is named
+    params = [p.requires_grad_() for p in init_params(rank)]
+    opt = _hier(params, mesh, check_every=1)
+    _train(opt, params, rank, range(2))
+    if rank == 2:
+        with torch.no_grad():
+            params[5][7] += 1.0
+    try:
+        opt.check_replicas()
+    except dlion.DesyncError as e:
+        out["desync"] = str(e)
     return out
 
 
@@ -407,3 +418,4 @@ def test_bad_inputs_on_one_rank_stop_or_skip_every_rank_and_change_nothing():
             assert kind == "ValueError" and "has a sparse gradient" in msg
         else:
             assert kind == "RuntimeError" and "another rank rejected its gradients" in msg
+        assert "parameter 5 (shape (50,)) differs between rank 0 and rank 2 after step 2" in res["desync"]
