@@ -321,3 +321,92 @@ def test_tbf_slows_transfers(tmp_path):
     assert shaped >= 0.5 * expected, (shaped, unshaped)
     assert shaped >= 3 * unshaped, (shaped, unshaped)
     assert shaped <= 8 * expected, (shaped, unshaped)  # shaped, not broken
+
+
+# --------------------------------------------------------------------------- nodes
+
+
+PAIR_TRANSFER = textwrap.dedent(
+    """
+    import os, socket, time
+    n, sender, rank = int(os.environ["NBYTES"]), int(os.environ["SENDER"]), int(os.environ["RANK"])
+    print("env", os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"], os.environ["GROUP_RANK"])
+    port = 29600
+    if rank == 0:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((os.environ["MASTER_ADDR"], port))
+        s.listen(1)
+        conn, _ = s.accept()
+        got, t0 = 0, None
+        while True:
+            b = conn.recv(1 << 20)
+            if t0 is None:
+                t0 = time.perf_counter()
+            if not b:
+                break
+            got += len(b)
+        assert got == n, got
+        print(f"seconds {time.perf_counter() - t0:.6f}")
+    elif rank == sender:
+        for _ in range(500):
+            try:
+                s = socket.create_connection((os.environ["MASTER_ADDR"], port))
+                break
+            except OSError:
+                time.sleep(0.01)
+        s.sendall(b"x" * n)
+        s.close()
+    """
+)
+
+
+def test_nodes_need_a_divisor():
+    with pytest.raises(ValueError, match="nodes must be a positive int dividing world_size=4"):
+        VirtualCluster(4, nodes=3)
+
+
+@needs_netns
+def test_nodes_fast_inside_a_node_shaped_between_nodes(tmp_path):
+    """2 nodes × 2 ranks, uplinks at 50 Mbit/s, unshaped inside a node: 5 MB from rank 1 to
+    rank 0 (same node) is fast, from rank 2 (other node) takes ~0.8 s; torchrun's variables."""
+    script = tmp_path / "pair.py"
+    script.write_text(PAIR_TRANSFER)
+    nbytes, rate = 5_000_000, 50 * 10**6
+    expected = nbytes * 8 / rate
+
+    def seconds(c, sender):
+        res = c.run([sys.executable, str(script)], env={"NBYTES": str(nbytes), "SENDER": str(sender)},
+                    timeout=30, check=True)
+        envs = [r.stdout.split("\n")[0].split()[1:] for r in res]
+        assert envs == [["0", "2", "0"], ["1", "2", "0"], ["0", "2", "1"], ["1", "2", "1"]], envs
+        return float(res[0].stdout.split()[-1])
+
+    prefix = unique_prefix("nodes")
+    with VirtualCluster(4, link="50mbit", nodes=2, prefix=prefix) as c:
+        assert c.per_node == 2 and [c.node_of(r) for r in range(4)] == [0, 0, 1, 1]
+        inside, between = seconds(c, 1), seconds(c, 2)
+        c.set_link("50mbit", intra_link="50mbit")  # now inside a node is as slow as between
+        inside_shaped = seconds(c, 1)
+    assert leftovers(prefix) == []
+    assert 0.5 * expected <= between <= 8 * expected, (inside, between)
+    assert between >= 3 * inside, (inside, between)
+    assert inside_shaped >= 0.5 * expected, inside_shaped
+
+
+@needs_netns
+def test_hierarchical_training_on_two_virtual_nodes(tmp_path):
+    """examples/train_hierarchical.py on 2 × 2 ranks of the virtual cluster (env:// rendezvous, the
+    mesh inferred from LOCAL_WORLD_SIZE): replicas agree, the mesh matches the cluster's nodes."""
+    import json
+    from pathlib import Path
+    example = Path(__file__).resolve().parents[1] / "examples" / "train_hierarchical.py"
+    prefix = unique_prefix("hier")
+    with VirtualCluster(4, link="200mbit", nodes=2, prefix=prefix) as c:
+        c.run([sys.executable, str(example), "--steps", "4", "--out", str(tmp_path)],
+              env={"OMP_NUM_THREADS": "1"}, timeout=180, check=True)
+    assert leftovers(prefix) == []
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    for r, res in enumerate(ranks):
+        assert (res["node"], res["local_rank"]) == (r // 2, r % 2) and res["steps"] == 4
+        assert res["checksum"] == ranks[0]["checksum"]

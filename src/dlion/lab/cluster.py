@@ -21,6 +21,25 @@ egress of ``p<rank>`` limits what it receives, so every rank has a full-duplex
 port of ``link`` bits/s, as on a switched Ethernet. The kernel here has no
 ``netem``, so there is no added latency: only rates are emulated.
 
+Nodes (``nodes=n``, ``world_size`` = n·L): the ranks of node a hang on a bridge of
+their own, ``bn<a>``, by links shaped to ``intra_link`` (default unshaped: the fast
+links inside a machine), and each node bridge reaches the core bridge ``br0`` through
+one uplink, the veth pair ``u<a>``–``c<a>``, shaped to ``link`` in both directions: the
+node's network port. Every bridge lives in the switch namespace::
+
+        P-r0  P-r1          P-r2  P-r3            (ranks; eth0, intra_link)
+          |     |             |     |
+      +---p0----p1---+    +---p2----p3---+
+      |     bn0      |    |     bn1      |        (node bridges, in P-sw)
+      +------u0------+    +------u1------+
+             |  link (tbf both ends)|
+      +------c0---------------------c1------+
+      |               br0 (core)            |
+      +-------------------------------------+
+
+Ranks of a node get ``LOCAL_RANK`` = rank mod L, ``LOCAL_WORLD_SIZE`` = L and
+``GROUP_RANK`` = ``NODE_RANK`` = rank // L, as torchrun would give them.
+
 Nothing is created in the host's namespace: the veth pairs are created
 directly inside the cluster's namespaces, so deleting the namespaces deletes
 every link and qdisc with them. The addresses come from 127.100.0.0/16
@@ -41,12 +60,12 @@ the queue (rate x 50 ms + burst). Both can be overridden.
 API::
 
     VirtualCluster(world_size, link="1gbit", *, prefix="dlion", burst=None,
-                   latency="50ms", master_port=29500)
+                   latency="50ms", master_port=29500, nodes=None, intra_link=None)
         # context manager; .start() / .close() for explicit use
         .run(cmd, *, env=None, timeout=None, cwd=None, echo=False,
              on_line=None, fail_fast=True, check=False, kill_grace=5.0)
             -> list[RankResult]
-        .set_link(link, burst=None)      # reshape all links in place
+        .set_link(link, burst=None)      # reshape the shaped links in place (the uplinks with nodes)
         .rank_env(rank, env=None) -> dict[str, str]
         .wrap(rank, argv) -> list[str]   # ["ip", "netns", "exec", ns, *argv]
         .namespaces, .switch_namespace, .addresses, .master_addr,
@@ -434,17 +453,24 @@ class VirtualCluster:
         burst: Union[int, str, None] = None,
         latency: str = "50ms",
         master_port: int = DEFAULT_MASTER_PORT,
+        nodes: Optional[int] = None,
+        intra_link: Union[str, int, None] = None,
     ):
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        if nodes is not None and (not isinstance(nodes, int) or nodes < 1 or world_size % nodes):
+            raise ValueError(f"nodes must be a positive int dividing world_size={world_size}, got {nodes!r}")
         if world_size > SUBNET.num_addresses - 2:
             raise ValueError(f"world_size {world_size} does not fit in {SUBNET}")
         if not 1 <= master_port <= 65535:
             raise ValueError(f"bad master_port {master_port}")
         self.world_size = world_size
         self.prefix = _check_prefix(prefix)
+        self.nodes = nodes
+        self.per_node = world_size // nodes if nodes else None
         self.rate_bps = parse_rate(link)
         self.burst_bytes = _burst_bytes(burst, self.rate_bps)
+        self.intra_bps = parse_rate(intra_link) if nodes else None
         self.latency = latency
         self.master_port = master_port
         self.switch_namespace = f"{prefix}-sw"
@@ -459,8 +485,17 @@ class VirtualCluster:
     def link(self) -> str:
         return _format_rate(self.rate_bps)
 
+    @property
+    def intra_link(self) -> str:
+        return _format_rate(self.intra_bps)
+
+    def node_of(self, rank: int) -> int:
+        """The node of ``rank`` (0 without nodes)."""
+        return rank // self.per_node if self.nodes else 0
+
     def __repr__(self) -> str:
-        return f"VirtualCluster({self.world_size}, link={self.link!r}, prefix={self.prefix!r})"
+        nodes = f", nodes={self.nodes}, intra_link={self.intra_link!r}" if self.nodes else ""
+        return f"VirtualCluster({self.world_size}, link={self.link!r}{nodes}, prefix={self.prefix!r})"
 
     # ---- lifecycle
 
@@ -539,6 +574,13 @@ class VirtualCluster:
         _disable_ipv6(sw)
         _sh(["ip", "-n", sw, "link", "add", "br0", "type", "bridge"])
         _sh(["ip", "-n", sw, "link", "set", "br0", "up"])
+        for a in range(self.nodes or 0):  # node bridges, each with its uplink to the core bridge
+            _sh(["ip", "-n", sw, "link", "add", f"bn{a}", "type", "bridge"])
+            _sh(["ip", "-n", sw, "link", "add", f"u{a}", "type", "veth", "peer", "name", f"c{a}"])
+            _sh(["ip", "-n", sw, "link", "set", f"u{a}", "master", f"bn{a}"])
+            _sh(["ip", "-n", sw, "link", "set", f"c{a}", "master", "br0"])
+            for dev in (f"bn{a}", f"u{a}", f"c{a}"):
+                _sh(["ip", "-n", sw, "link", "set", dev, "up"])
         for rank, (ns, addr) in enumerate(zip(self.namespaces, self.addresses)):
             port = f"p{rank}"
             _sh(["ip", "netns", "add", ns])
@@ -554,22 +596,29 @@ class VirtualCluster:
             # packets for other ranks would never reach eth0.
             _sh(["ip", "-n", ns, "route", "del", "local", "127.0.0.0/8", "dev", "lo", "table", "local"])
             _sh(["ip", "-n", ns, "addr", "add", f"{addr}/{SUBNET.prefixlen}", "dev", "eth0"])
-            _sh(["ip", "-n", sw, "link", "set", port, "master", "br0"])
+            bridge = f"bn{self.node_of(rank)}" if self.nodes else "br0"
+            _sh(["ip", "-n", sw, "link", "set", port, "master", bridge])
             _sh(["ip", "-n", sw, "link", "set", port, "up"])
             _sh(["ip", "-n", ns, "link", "set", "eth0", "up"])
         self._apply_shaping()
         self._wait_links_up()
 
     def _apply_shaping(self) -> None:
-        for rank, ns in enumerate(self.namespaces):
-            for where, dev in ((ns, "eth0"), (self.switch_namespace, f"p{rank}")):
-                if self.rate_bps is None:
-                    # No qdisc to delete is fine: the link is already unshaped.
-                    _sh(["tc", "-n", where, "qdisc", "del", "dev", dev, "root"], check=False)
-                else:
-                    _sh(["tc", "-n", where, "qdisc", "replace", "dev", dev, "root", "tbf",
-                         "rate", f"{self.rate_bps}bit", "burst", str(self.burst_bytes),
-                         "latency", self.latency])
+        # Without nodes every rank's link is shaped to `link`; with nodes, the ranks' links
+        # to `intra_link` and the node uplinks to `link`.
+        rank_rate = self.intra_bps if self.nodes else self.rate_bps
+        rank_burst = _burst_bytes(None, rank_rate) if self.nodes else self.burst_bytes
+        links = [(where, dev, rank_rate, rank_burst) for rank, ns in enumerate(self.namespaces)
+                 for where, dev in ((ns, "eth0"), (self.switch_namespace, f"p{rank}"))]
+        links += [(self.switch_namespace, dev, self.rate_bps, self.burst_bytes)
+                  for a in range(self.nodes or 0) for dev in (f"u{a}", f"c{a}")]
+        for where, dev, rate, burst in links:
+            if rate is None:
+                # No qdisc to delete is fine: the link is already unshaped.
+                _sh(["tc", "-n", where, "qdisc", "del", "dev", dev, "root"], check=False)
+            else:
+                _sh(["tc", "-n", where, "qdisc", "replace", "dev", dev, "root", "tbf",
+                     "rate", f"{rate}bit", "burst", str(burst), "latency", self.latency])
 
     def _wait_links_up(self, timeout: float = 5.0) -> None:
         # veth carrier comes up asynchronously; Gloo would retry, but a plain
@@ -581,13 +630,17 @@ class VirtualCluster:
                     raise ClusterError(f"eth0 in {ns} did not come up within {timeout} s")
                 time.sleep(0.02)
 
-    def set_link(self, link: Union[str, int, None], burst: Union[int, str, None] = None) -> None:
-        """Reshape every link (both directions) of the running cluster, e.g. to
-        sweep rates without rebuilding it."""
+    def set_link(self, link: Union[str, int, None], burst: Union[int, str, None] = None, *,
+                 intra_link: Union[str, int, None, bool] = False) -> None:
+        """Reshape the links (both directions) of the running cluster, e.g. to sweep
+        rates without rebuilding it: every rank's link, or with nodes the node uplinks
+        (and, if ``intra_link`` is given, the links inside the nodes)."""
         self._require_active()
         rate = parse_rate(link)
         self.burst_bytes = _burst_bytes(burst, rate)
         self.rate_bps = rate
+        if self.nodes and intra_link is not False:
+            self.intra_bps = parse_rate(intra_link)
         self._apply_shaping()
 
     def _require_active(self) -> None:
@@ -606,15 +659,18 @@ class VirtualCluster:
             MASTER_PORT=str(self.master_port),
             RANK=str(rank),
             WORLD_SIZE=str(self.world_size),
-            # All ranks share this machine's devices, so LOCAL_RANK = RANK lets
-            # workers that pick cuda:LOCAL_RANK spread over the GPUs.
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(self.world_size),
+            # Without nodes all ranks share this machine's devices, so LOCAL_RANK = RANK lets
+            # workers that pick cuda:LOCAL_RANK spread over the GPUs; with nodes, torchrun's numbering.
+            LOCAL_RANK=str(rank % self.per_node if self.nodes else rank),
+            LOCAL_WORLD_SIZE=str(self.per_node if self.nodes else self.world_size),
+            GROUP_RANK=str(self.node_of(rank)),
+            NODE_RANK=str(self.node_of(rank)),
             # Mandatory: otherwise Gloo resolves the hostname / advertises 127.0.0.1.
             GLOO_SOCKET_IFNAME="eth0",
             TP_SOCKET_IFNAME="eth0",
             NCCL_SOCKET_IFNAME="eth0",
             DLION_CLUSTER_LINK=self.link,
+            DLION_CLUSTER_NODES=str(self.nodes or self.world_size),
             DLION_CLUSTER_PREFIX=self.prefix,
         )
         if env:
@@ -829,13 +885,22 @@ def _parser() -> argparse.ArgumentParser:
             "examples:\n"
             "  dlion cluster --workers 4 --link 1gbit -- python train.py\n"
             "  dlion cluster --workers 2 --link 100mbit --timeout 600 -- python -m mybench --steps 10\n"
+            "  dlion cluster --nodes 2 --per-node 2 --link 50mbit -- python train.py   # 2 nodes of 2 ranks\n"
             "  dlion cluster --cleanup            # remove leftovers of a killed run\n"
         ),
     )
-    p.add_argument("--workers", "-n", type=int, default=2, metavar="N", help="number of ranks (default 2)")
+    p.add_argument("--workers", "-n", type=int, default=None, metavar="N",
+                   help="number of ranks (default 2, or --nodes × --per-node)")
+    p.add_argument("--nodes", type=int, default=None, metavar="K",
+                   help="group the ranks into K nodes of --per-node ranks: ranks of a node share a bridge "
+                        "(links shaped to --intra-link), each node reaches the others through one uplink "
+                        "shaped to --link")
+    p.add_argument("--per-node", type=int, default=None, metavar="L", help="ranks per node (with --nodes)")
+    p.add_argument("--intra-link", default="unlimited", metavar="RATE",
+                   help="with --nodes: rate of the links inside a node (default unlimited)")
     p.add_argument("--link", default="1gbit", metavar="RATE",
-                   help="per-link rate in each direction: 1gbit, 100mbit, 500kbit, ... or 'unlimited' "
-                        "(default 1gbit)")
+                   help="per-link rate in each direction (with --nodes: of each node's uplink): 1gbit, "
+                        "100mbit, 500kbit, ... or 'unlimited' (default 1gbit)")
     p.add_argument("--burst", default=None, metavar="SIZE",
                    help="tbf bucket, e.g. 256kb (default: 2 ms of line rate, at least 32 KiB)")
     p.add_argument("--latency", default="50ms", metavar="TIME", help="tbf queue bound (default 50ms)")
@@ -874,13 +939,27 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 0
         if not command:
             parser.error("no COMMAND given (put it after --)")
+        if (args.nodes is None) != (args.per_node is None):
+            parser.error("--nodes and --per-node go together")
+        if args.nodes is not None:
+            if args.nodes < 1 or args.per_node < 1:
+                parser.error("--nodes and --per-node must be >= 1")
+            if args.workers is not None and args.workers != args.nodes * args.per_node:
+                parser.error(f"--workers {args.workers} != --nodes {args.nodes} × --per-node {args.per_node}")
+            args.workers = args.nodes * args.per_node
+        elif args.workers is None:
+            args.workers = 2
         if args.workers < 1:
             parser.error("--workers must be >= 1")
         cluster = VirtualCluster(args.workers, args.link, prefix=args.prefix, burst=args.burst,
-                                 latency=args.latency, master_port=args.master_port)
+                                 latency=args.latency, master_port=args.master_port, nodes=args.nodes,
+                                 intra_link=args.intra_link)
         with cluster:
             shaping = (f"tbf {cluster.link} each way, burst {cluster.burst_bytes} B"
                        if cluster.rate_bps else "unshaped")
+            if cluster.nodes:
+                shaping = (f"{cluster.nodes} nodes × {cluster.per_node}; uplinks {shaping}; inside a node "
+                           f"{cluster.intra_link}")
             print(f"dlion cluster: {args.workers} ranks ({shaping}), master {cluster.master_addr}:"
                   f"{cluster.master_port}, namespaces {cluster.prefix}-r*", file=sys.stderr, flush=True)
             results = cluster.run(command, timeout=args.timeout, echo=True, fail_fast=not args.keep_going)
