@@ -11,7 +11,9 @@ from dlion.lab.bench import e2e  # noqa: E402
 
 def test_parse_methods_groups_and_errors():
     assert e2e.parse_methods("g-lion,d-mavo-1bit") == ["g-lion", "d-mavo-1bit"]
-    assert e2e.parse_methods("all") == list(e2e.METHODS)
+    assert e2e.parse_methods("all") == list(e2e.BASELINES + e2e.DLION)  # the hierarchical ones need --nodes
+    assert e2e.parse_methods("hier") == ["h-mavo-1bit", "h-mavo-allgather", "h-avg-1bit"]
+    assert e2e.label("h-mavo-1bit") == "Hierarchical D-Lion MaVo 1bit"
     assert set(e2e.parse_methods("overlap")) == {m for m in e2e.DLION if "-ov" in m}
     assert e2e.label("d-mavo-1bit-ov-rt") == "D-Lion MaVo 1bit +overlap +random ties"
     assert e2e.parse_methods("baselines,g-lion") == list(e2e.BASELINES)  # no duplicates
@@ -85,3 +87,45 @@ def test_overlap_figure_is_exposed_communication_saved():
     assert (o["exposed_ms_without"], o["exposed_ms_with"], o["hidden_ms"]) == (200.0, 50.0, 150.0)
     assert o["hidden_fraction"] == 0.75 and o["wire_ms_ideal"] == 200.0  # 1.25 MB · 8 / 50 Mbit/s
     assert e2e.label("d-mavo-1bit-ov-m16") == "D-Lion MaVo 1bit +overlap +bf16 momentum"
+
+
+def test_e2e_loopback_nodes_hierarchical(tmp_path, capsys):
+    """2 nodes × 2 ranks on loopback: the hierarchical method runs next to the flat ones and reports
+    its bytes between nodes and inside a node separately; h-* without --nodes is refused."""
+    with pytest.raises(SystemExit):
+        e2e.main(["--loopback", "--methods", "h-mavo-1bit", "--no-progress"])
+    methods = ["compute", "d-mavo-1bit", "h-mavo-1bit"]
+    rc = e2e.main(["--loopback", "--nodes", "2", "--per-node", "2", "--methods", ",".join(methods), "--steps", "2",
+                   "--warmup", "1", "--n-layer", "1", "--n-embd", "32", "--block-size", "16", "--synthetic",
+                   "--no-progress", "--out", str(tmp_path)])
+    assert rc == 0
+    assert "2 nodes × 2 ranks" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "e2e_results.json").read_text())
+    assert doc["workers"] == 4 and doc["config"]["nodes"] == 2 and doc["config"]["per_node"] == 2
+    rows = {r["method"]: r for r in doc["results"]}
+    h, n = rows["h-mavo-1bit"], rows["h-mavo-1bit"]["params"]
+    # between nodes: each rank carries its half of the vote of 2 voters ((1 + 1.6)/2 bits per parameter
+    # at most, plus headers); inside its node: half the fp32 gradients (reduce-scatter) + int8 codes
+    assert h["inter_node_bytes_sent_per_step"] <= 1.05 * (1 + 1.6) / 2 * n / 8 / 2 + 4 * 64 * 2
+    assert h["intra_node_bytes_sent_per_step"] >= 4 * n / 2
+    assert h["bytes_sent_per_rank_per_step"] == pytest.approx(h["inter_node_bytes_sent_per_step"]
+                                                             + h["intra_node_bytes_sent_per_step"])
+
+
+def test_e2e_on_two_virtual_nodes_counts_the_bytes_crossing_the_uplinks(tmp_path, capsys):
+    """On the virtual cluster with nodes (root needed): the kernel's counters of the node uplinks
+    show G-Lion's fp32 all-reduce crossing between nodes and the hierarchical vote crossing least."""
+    from dlion.lab import cluster as vc
+    ok, why = vc.netns_available()
+    if not ok:
+        pytest.skip(f"virtual cluster unavailable: {why}")
+    methods = ["g-lion", "d-mavo-1bit", "h-mavo-1bit"]
+    rc = e2e.main(["--nodes", "2", "--per-node", "2", "--link", "200mbit", "--methods", ",".join(methods),
+                   "--steps", "2", "--warmup", "1", "--n-layer", "2", "--n-embd", "96", "--block-size", "16",
+                   "--synthetic", "--no-progress", "--out", str(tmp_path), "--timeout", "300"])
+    assert rc == 0
+    rows = {r["method"]: r for r in json.loads((tmp_path / "e2e_results.json").read_text())["results"]}
+    up = {m: rows[m]["uplink_bytes_per_step"] for m in methods}
+    n = rows["g-lion"]["params"]
+    assert up["g-lion"] > 4 * n  # fp32 gradients cross between the nodes (≥ one copy each way)
+    assert up["h-mavo-1bit"] < up["d-mavo-1bit"] < up["g-lion"] / 10, up

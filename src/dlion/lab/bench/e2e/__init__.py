@@ -17,9 +17,18 @@ ours (dlion.DistributedLion, no DDP)
   ``d-{mavo,avg}-{allgather,1bit,pbit}[-ov]``, ``d-mavo-quant[-ov]`` and ``d-mavo-1bit-ov-rt``
   (``comm=`` algorithm; ``quant`` = ``aggregate="quantized"``; ``-ov`` = ``overlap=True``;
   ``-rt`` = ``ties="random"``, whatever ``--ties`` says)
+  ``h-mavo-1bit``, ``h-mavo-allgather``, ``h-avg-1bit``: dlion.HierarchicalDistributedLion (needs
+  ``--nodes K --per-node L``: the nodes vote, gradients are averaged in fp32 inside a node)
 
-Groups for ``--methods``: ``all``, ``baselines``, ``peers``, ``powersgd``, ``dlion``, ``mavo``, ``avg``,
-``overlap``.
+Groups for ``--methods``: ``all`` (every method but h-*), ``baselines``, ``peers``, ``powersgd``, ``dlion``,
+``mavo``, ``avg``, ``overlap``, ``hier``, ``nodes`` (compute, G-Lion, PowerSGD rank 4, flat and
+hierarchical MaVo).
+
+With ``--nodes K --per-node L`` the virtual cluster groups the ranks into K nodes (``dlion cluster
+--nodes``): unshaped links inside a node, each node's uplink shaped to the ``--link`` rate. On rank 0,
+each measured step is then followed by a barrier and a reading of the uplinks' tbf counters: the
+bytes that really crossed between nodes (both directions, all nodes, TCP/IP headers and that one
+barrier included) are reported per method as ``uplink_bytes_per_step``.
 
 A step is timed on every rank as the wall time from ``zero_grad`` through
 ``optimizer.step()`` (forward, backward and all communication), with no barrier
@@ -69,7 +78,11 @@ __all__ = ["main", "parse_methods", "label", "METHODS", "BASELINES", "DLION", "G
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dlion bench e2e", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workers", type=int, default=4, help="ranks (default 4)")
+    ap.add_argument("--workers", type=int, default=None, help="ranks (default 4, or --nodes × --per-node)")
+    ap.add_argument("--nodes", type=int, default=None,
+                    help="group the ranks into this many nodes (virtual cluster: fast links inside a node, "
+                         "--link on each node's uplink); needed by the hierarchical methods h-*")
+    ap.add_argument("--per-node", type=int, default=None, help="ranks per node (with --nodes)")
     ap.add_argument("--link", default="50mbit,100mbit,300mbit,1gbit",
                     help="link rates to sweep, comma separated (default 50mbit,100mbit,300mbit,1gbit)")
     ap.add_argument("--loopback", action="store_true",
@@ -127,6 +140,16 @@ def main(argv: list[str]) -> int:
                 print(f"link {link}: overlap with backward (step − compute-only = communication left exposed):")
                 print("\n".join(lines))
         return 0
+    if (args.nodes is None) != (args.per_node is None):
+        ap.error("--nodes and --per-node go together")
+    if args.nodes is not None:
+        if args.nodes < 1 or args.per_node < 1:
+            ap.error("--nodes and --per-node must be >= 1")
+        if args.workers is not None and args.workers != args.nodes * args.per_node:
+            ap.error(f"--workers {args.workers} != --nodes {args.nodes} × --per-node {args.per_node}")
+        args.workers = args.nodes * args.per_node
+    elif args.workers is None:
+        args.workers = 4
     if args.workers < 2:
         ap.error("--workers must be >= 2")
     if args.steps < 1 or args.warmup < 0:
@@ -135,6 +158,8 @@ def main(argv: list[str]) -> int:
         methods = parse_methods(args.methods)
     except ValueError as e:
         ap.error(str(e))
+    if any(m.startswith("h-") for m in methods) and args.nodes is None:
+        ap.error("the hierarchical methods (h-*) need --nodes K --per-node L")
     if any("powersgd" in m for m in methods) and args.warmup < POWERSGD_START_ITER:
         print(f"note: PowerSGD compresses from step {POWERSGD_START_ITER + 1}; with --warmup {args.warmup} "
               "some measured steps of the PowerSGD methods are uncompressed", file=sys.stderr)
@@ -146,7 +171,8 @@ def main(argv: list[str]) -> int:
            "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup, "bucket_mb": args.bucket_mb,
            "quant_bits": args.quant_bits, "lr": args.lr,
            "weight_decay": args.weight_decay, "seed": args.seed, "synthetic": args.synthetic,
-           "ties": args.ties, "timeout": args.timeout, "sequential": args.sequential, "methods": methods}
+           "ties": args.ties, "timeout": args.timeout, "sequential": args.sequential, "methods": methods,
+           "nodes": args.nodes, "per_node": args.per_node}
     if args.loopback:
         links = [("loopback", None)]
     else:

@@ -39,11 +39,20 @@ def run_methods(rank: int, world: int, cfg: dict, train_ids, vocab_size: int,
     inst = Instrument()
     inst.install()
     methods, rounds = cfg["methods"], cfg["warmup"] + cfg["steps"]
+    uplinks = uplink_counter(cfg) if rank == 0 else None
+    counting = cfg.get("nodes") and os.environ.get("DLION_CLUSTER_PREFIX") and \
+        os.environ.get("DLION_CLUSTER_LINK") != "unlimited"
+
+    def make(m: str) -> MethodRun:
+        run = MethodRun(m, rank, cfg, vocab_size, inst)
+        run.count_uplinks, run.uplink_counter = bool(counting), uplinks
+        return run
+
     try:
         batches = make_batches(train_ids, cfg, rank)
         if cfg["sequential"]:
             for m in methods:
-                run = MethodRun(m, rank, cfg, vocab_size, inst)
+                run = make(m)
                 dist.barrier()
                 for it, (x, y) in enumerate(batches):
                     run.step(x, y, it >= cfg["warmup"])
@@ -54,7 +63,7 @@ def run_methods(rank: int, world: int, cfg: dict, train_ids, vocab_size: int,
                 del run
                 gc.collect()  # free this method's model, DDP reducer and optimizer before the next
             return
-        runs = [MethodRun(m, rank, cfg, vocab_size, inst) for m in methods]
+        runs = [make(m) for m in methods]
         for it, (x, y) in enumerate(batches):
             k = it % len(runs)
             for run in runs[k:] + runs[:k]:
@@ -69,6 +78,29 @@ def run_methods(rank: int, world: int, cfg: dict, train_ids, vocab_size: int,
             emit(run.result())
     finally:
         inst.uninstall()
+
+
+def uplink_counter(cfg: dict) -> Optional[Callable[[], int]]:
+    """Inside a virtual cluster with nodes: () -> bytes the node uplinks have sent so far, both
+    directions, summed over the nodes (tc's counters of the uplinks' tbf qdiscs, read from the
+    switch namespace). None elsewhere."""
+    prefix, nodes = os.environ.get("DLION_CLUSTER_PREFIX"), cfg.get("nodes")
+    if not prefix or not nodes or os.environ.get("DLION_CLUSTER_LINK") == "unlimited":
+        return None  # (an unshaped uplink has no tbf qdisc, hence no counter)
+    import re
+    import subprocess
+
+    devs = [d for a in range(nodes) for d in (f"u{a}", f"c{a}")]
+
+    def count() -> int:
+        total = 0
+        for dev in devs:
+            out = subprocess.run(["tc", "-n", f"{prefix}-sw", "-s", "qdisc", "show", "dev", dev],
+                                 capture_output=True, text=True, check=True).stdout
+            total += int(re.search(r"Sent (\d+) bytes", out).group(1))
+        return total
+
+    return count
 
 
 def _load_data(cfg: dict):
@@ -126,7 +158,7 @@ def run_e2e_cluster(args, cfg: dict, links: list, raw: dict, bar) -> Optional[st
     cmd = [sys.executable, "-m", "dlion.lab.bench.e2e", "--worker", json.dumps(cfg)]
     try:
         with contextlib.closing(run_cluster(cmd, args.workers, [link for link, _ in links], prefix=prefix,
-                                            timeout=args.timeout,
+                                            timeout=args.timeout, nodes=cfg.get("nodes"),
                                             on_tick=None if bar is None else lambda: bar.update(1),
                                             on_link=None if bar is None else bar.set_postfix_str)) as runs:
             for link, per_rank, results in runs:

@@ -15,9 +15,12 @@ POWERSGD = tuple(f"g-{opt}-powersgd{r}" for opt in ("lion", "adamw") for r in (1
 BASELINES = ("compute", "sync-only", "g-adamw", "g-lion", "g-lion-bf16") + POWERSGD + ("ddp-dlion-hook",)
 DLION = tuple(f"d-{vote}-{comm}{ov}" for vote in ("mavo", "avg") for comm in ("allgather", "1bit", "pbit")
               for ov in ("", "-ov")) + ("d-mavo-quant", "d-mavo-quant-ov", "d-mavo-1bit-ov-rt", "d-mavo-1bit-ov-m16")
-METHODS = BASELINES + DLION
+HIER = ("h-mavo-1bit", "h-mavo-allgather", "h-avg-1bit")  # HierarchicalDistributedLion (needs --nodes)
+METHODS = BASELINES + DLION + HIER
 GROUPS = {
-    "all": METHODS,
+    "all": BASELINES + DLION,
+    "hier": HIER,
+    "nodes": ("compute", "g-lion", "g-lion-powersgd4", "d-mavo-1bit", "h-mavo-1bit", "h-mavo-allgather"),
     "baselines": BASELINES,
     "peers": ("compute", "sync-only", "g-lion", "g-lion-bf16") + POWERSGD,
     "powersgd": POWERSGD,
@@ -39,6 +42,8 @@ def label(method: str) -> str:
     if method in LABELS:
         return LABELS[method]
     parts = method.split("-")
+    if parts[0] == "h":
+        return f"Hierarchical D-Lion {'MaVo' if parts[1] == 'mavo' else 'Avg'} {parts[2]}"
     vote, comm, ov, rt, m16 = parts[1], parts[2], "ov" in parts[3:], "rt" in parts[3:], "m16" in parts[3:]
     comm = {"quant": "quantized int8", "allgather": "allgather (naive)"}.get(comm, comm)
     return (f"D-Lion {'MaVo' if vote == 'mavo' else 'Avg'} {comm}{' +overlap' if ov else ''}"
@@ -109,6 +114,30 @@ def _dlion_class():
     return SeededDistributedLion
 
 
+_MESH: dict = {}
+
+
+def _node_mesh(per_node: int):
+    """The (node, local) mesh of this process group, built once per process (it creates groups)."""
+    if per_node not in _MESH:
+        from dlion.hierarchical import node_mesh
+
+        _MESH[per_node] = node_mesh("cpu", per_node)
+    return _MESH[per_node]
+
+
+def _hier_class():
+    from dlion import HierarchicalDistributedLion
+
+    class SeededHierarchicalDistributedLion(HierarchicalDistributedLion):
+        """As SeededDistributedLion: the model is built from the same seed everywhere."""
+
+        def _broadcast_parameters(self) -> None:
+            pass
+
+    return SeededHierarchicalDistributedLion
+
+
 class MethodRun:
     """One method's model and optimizer on one rank, stepped by the driver loop."""
 
@@ -160,6 +189,15 @@ class MethodRun:
                 self.opt = torch.optim.AdamW(model.parameters(), lr=10 * lr, weight_decay=wd / 10)
             else:
                 self.opt = dlion.Lion(model.parameters(), lr=lr, betas=betas, weight_decay=wd)
+        elif method in HIER:
+            _, vote, comm = method.split("-")
+            if not cfg.get("per_node"):
+                raise ValueError(f"{method} needs nodes: run with --nodes K --per-node L")
+            self.net = model
+            self.opt = _hier_class()(model.parameters(), lr=lr, betas=betas, weight_decay=wd, vote=vote,
+                                     ties=cfg["ties"], comm=comm, bucket_cap_mb=cfg["bucket_mb"],
+                                     mesh=_node_mesh(cfg["per_node"]))
+            self.opt.check_replicas()
         else:
             _, vote, comm, *rest = method.split("-")
             quant = comm == "quant"
@@ -181,6 +219,10 @@ class MethodRun:
         if measure and self._start is None:  # first measured step: bytes and profile from here on
             stats = getattr(self.opt, "comm_stats", None) or getattr(getattr(self, "hook_state", None), "comm_stats", None)
             self._start = ((stats.bytes_sent, stats.bytes_received) if stats is not None else None, dict(self.tally))
+            local = getattr(self.opt, "local_stats", None)
+            self._local_start = local.bytes_sent if local is not None else 0
+        if measure:
+            self.uplink_before_step()
         inst.count = self.is_ddp
         inst.current = self.method if measure else None
         try:
@@ -194,12 +236,33 @@ class MethodRun:
         finally:
             inst.current = None
         if measure:
+            self.uplink_after_step()
             stats = getattr(self.opt, "comm_stats", None) or getattr(getattr(self, "hook_state", None), "comm_stats", None)
             if stats is not None:  # bytes up to the last measured step (the profiled steps come after)
                 self._end = (stats.bytes_sent, stats.bytes_received)
+                local = getattr(self.opt, "local_stats", None)
+                self._local_end = local.bytes_sent if local is not None else 0
             self.step_s.append(t2 - t0)
             self.fwd_bwd_s.append(t1 - t0)
         self.losses.append(float(loss.detach()))
+
+    #: set by the driver on every rank of a virtual cluster with nodes: count the bytes that cross
+    #: the node uplinks during each measured step (a barrier after the step, outside the timing)
+    count_uplinks = False
+    #: on rank 0 only: () -> bytes sent so far on every node uplink, both directions (the kernel's
+    #: qdisc counters: what really crossed between nodes, TCP/IP headers included)
+    uplink_counter: Optional[Callable[[], int]] = None
+
+    def uplink_before_step(self) -> None:
+        if self.uplink_counter is not None:
+            self._uplink_mark = self.uplink_counter()
+
+    def uplink_after_step(self) -> None:
+        if not self.count_uplinks:
+            return
+        torch.distributed.barrier()  # every rank's share of the step has crossed (plus this barrier)
+        if self.uplink_counter is not None:
+            self.uplink_bytes = getattr(self, "uplink_bytes", 0) + self.uplink_counter() - self._uplink_mark
 
     def profile(self, batches: list) -> None:
         """D-Lion only: a few more (untimed) steps under ``torch.profiler``; the milliseconds per
@@ -233,10 +296,17 @@ class MethodRun:
             b0 = self._start[0]
             sent = (self._end[0] - b0[0]) / steps
             received = (self._end[1] - b0[1]) / steps
-            extra = {"buckets": len(self.opt.buckets),
+            extra = {}
+            if m in HIER:  # comm_stats: between nodes; local_stats: inside the node
+                intra = (self._local_end - self._local_start) / steps
+                extra = {"inter_node_bytes_sent_per_step": sent, "intra_node_bytes_sent_per_step": intra}
+                sent, received = sent + intra, received + intra
+            extra.update({"buckets": len(self.opt.buckets),
                      "algorithms": sorted({a.name for a in self.opt._algorithms}),
-                     "profile_ms_per_step": self.profile_ms}
+                     "profile_ms_per_step": self.profile_ms})
             self.opt.check_replicas()  # the replicas must still be bitwise identical
+        if getattr(self, "uplink_bytes", None) is not None:
+            extra["uplink_bytes_per_step"] = self.uplink_bytes / steps
         return {"method": m, "rank": self.rank, "params": self.params, "step_s": self.step_s,
                 "fwd_bwd_s": self.fwd_bwd_s, "bytes_sent_per_step": sent, "bytes_received_per_step": received,
                 "loss_first": self.losses[0], "loss_last": self.losses[-1], **extra}

@@ -35,6 +35,12 @@ def summarize(per_rank: list[dict]) -> dict:
         "loss_first": r0["loss_first"], "loss_last": r0["loss_last"],
         "samples": len(steps),
     }
+    for k in ("uplink_bytes_per_step",):  # measured on rank 0 only
+        if k in r0:
+            out[k] = r0[k]
+    for k in ("inter_node_bytes_sent_per_step", "intra_node_bytes_sent_per_step"):
+        if k in r0:
+            out[k] = statistics.mean(r[k] for r in per_rank)
     for k in ("all_reduce_calls_per_step", "buckets_per_step", "bucket_bytes_per_step", "buckets", "algorithms"):
         if k in r0:
             out[k] = r0[k]
@@ -71,6 +77,16 @@ def table(link: str, bps: Optional[int], rows: dict, cfg: dict, world: int) -> s
         wire = f"{8e3 * sent / bps:>8.1f}" if bps else f"{'-':>8}"
         lines.append(f"{label(m):<38} {ms:>8.1f} {speed} {frac} {r['fwd_bwd_ms']:>8.1f} {sent / 1e6:>8.3f} "
                      f"{bits:>10.3f} {wire}")
+    if any("uplink_bytes_per_step" in r for r in rows.values()):
+        lines.append(f"bytes that crossed the node uplinks per step (kernel tbf counters, all {cfg['nodes']} "
+                     "nodes, both directions, TCP/IP headers and one barrier included):")
+        for m, r in rows.items():
+            if "uplink_bytes_per_step" in r:
+                split = (f"  (per rank: {r['inter_node_bytes_sent_per_step'] / 1e6:.3f} MB sent between nodes, "
+                         f"{r['intra_node_bytes_sent_per_step'] / 1e6:.3f} MB inside its node)"
+                         if "inter_node_bytes_sent_per_step" in r else "")
+                lines.append(f"  {label(m):<38} {r['uplink_bytes_per_step'] / 1e6:>8.3f} MB "
+                             f"{8 * r['uplink_bytes_per_step'] / r['params']:>7.3f} bits/param{split}")
     if comp and glion:
         comm = glion - comp
         ratio = comp / comm if comm > 0 else float("inf")
@@ -266,6 +282,9 @@ def write_report(args, cfg: dict, methods: list[str], links: list, raw: dict, fa
             tables.append(f"  {link:>10}: {_headline_text(h)}")
         tables.append("")
     where = "loopback (no shaping)" if args.loopback else "virtual cluster (network namespaces, tbf-shaped links)"
+    if cfg.get("nodes"):
+        where += (f", {cfg['nodes']} nodes × {cfg['per_node']} ranks" +
+                  ("" if args.loopback else " (unshaped inside a node; the rate is each node uplink's)"))
     header = (f"dlion bench e2e: {world} ranks on one machine ({os.cpu_count()} CPU cores shared by all ranks, "
               f"1 torch thread per rank), {where}; torch {torch.__version__}; {elapsed / 60:.1f} min")
     text = header + "\n\n" + "\n".join(tables)
