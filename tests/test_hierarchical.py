@@ -150,6 +150,18 @@ def test_two_nodes_of_two_ranks_match_the_literal_reference_and_agree_bitwise_af
         assert ranks[2]["momentum_numel"] + ranks[3]["momentum_numel"] == n
 
 
+def test_one_node_is_lion_on_the_mean_gradient_with_sharded_momentum():
+    """A single node of 2 ranks: one voter, so Δ = sign(c) of the node (Lion on the mean gradient)."""
+    cfgs = [dict(vote="mavo"), dict(vote="avg", comm="allgather", dense=True)]
+    results = spawn(hier_worker, 2, (1, 2), cfgs, timeout_s=120)
+    for c, cfg in enumerate(cfgs):
+        expected = hier_reference(1, 2, cfg, results[0][c]["layout"])
+        for rank in range(2):
+            for k, (got, want) in enumerate(zip(results[rank][c]["history"][-1], expected)):
+                assert torch.equal(got, want), f"{cfg}: rank {rank} parameter {k}"
+        assert results[0][c]["stats"]["bytes_sent"] == 0  # nothing crosses between nodes: there is one
+
+
 def flat_worker(rank, world, configs):
     mesh = make_mesh((world, 1))
     flat = configs_worker(rank, world, configs)

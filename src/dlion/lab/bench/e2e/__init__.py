@@ -131,7 +131,8 @@ def main(argv: list[str]) -> int:
         cfg, n = doc["config"], doc["results"][0]["params"]
         plot(doc["results"], cfg["methods"], os.path.join(args.out, "e2e_step_time.png"),
              f"dlion bench e2e: {doc['workers']} ranks, CharGPT {n / 1e6:.1f} M params, batch "
-             f"{cfg['batch_size']}×{cfg['block_size']}/rank, {doc['machine']['cpu_count']} shared CPU cores")
+             f"{cfg['batch_size']}×{cfg['block_size']}/rank, {doc['machine']['cpu_count']} shared CPU cores"
+             + (f", {cfg['nodes']} nodes × {cfg['per_node']}" if cfg.get("nodes") else ""), nodes=bool(cfg.get("nodes")))
         print(f"wrote {os.path.join(args.out, 'e2e_step_time.png')}")
         for link in dict.fromkeys(r["link"] for r in doc["results"]):  # what overlap hid, from the stored rows
             rows = {r["method"]: r for r in doc["results"] if r["link"] == link}

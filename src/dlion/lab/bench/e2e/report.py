@@ -74,10 +74,13 @@ def table(link: str, bps: Optional[int], rows: dict, cfg: dict, world: int) -> s
         frac = f"{ms / comp:>7.2f}×" if comp else f"{'-':>8}"
         sent = r["bytes_sent_per_rank_per_step"]
         bits = 8 * sent / r["params"]
-        wire = f"{8e3 * sent / bps:>8.1f}" if bps else f"{'-':>8}"
+        # hierarchical: only the bytes between nodes meet the shaped link (inside a node it is unshaped)
+        wire = f"{8e3 * r.get('inter_node_bytes_sent_per_step', sent) / bps:>8.1f}" if bps else f"{'-':>8}"
         lines.append(f"{label(m):<38} {ms:>8.1f} {speed} {frac} {r['fwd_bwd_ms']:>8.1f} {sent / 1e6:>8.3f} "
                      f"{bits:>10.3f} {wire}")
     if any("uplink_bytes_per_step" in r for r in rows.values()):
+        lines.append("(hierarchical methods: 'MB sent' counts the bytes inside the node too; 'wire ms' only those "
+                     "between nodes)")
         lines.append(f"bytes that crossed the node uplinks per step (kernel tbf counters, all {cfg['nodes']} "
                      "nodes, both directions, TCP/IP headers and one barrier included):")
         for m, r in rows.items():
@@ -165,7 +168,7 @@ def profile_lines(rows: dict, methods: list[str]) -> list[str]:
     return lines
 
 
-def plot(results: list[dict], methods: list[str], path: str, title: str) -> None:
+def plot(results: list[dict], methods: list[str], path: str, title: str, nodes: bool = False) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -189,6 +192,10 @@ def plot(results: list[dict], methods: list[str], path: str, title: str) -> None
                 key = m.split("-")[-1] if "powersgd" in m else m
                 style = dict(color=colors.get(key, "tab:gray"), ls=":" if m == "sync-only" else "-", lw=2,
                              marker="o" if "adamw" not in m else "s")
+            elif m.startswith("h-"):  # hierarchical D-Lion: solid, diamonds
+                parts = m.split("-")
+                style = dict(color="tab:cyan" if parts[2] == "1bit" else "tab:purple", ls="-", lw=2,
+                             marker="D" if parts[1] == "mavo" else "v", ms=6)
             else:  # D-Lion: colour = algorithm, marker = vote, dashed = overlap on
                 parts = m.split("-")
                 style = dict(color=colors[parts[2]] if not m.endswith("-rt") else "tab:cyan",
@@ -207,7 +214,8 @@ def plot(results: list[dict], methods: list[str], path: str, title: str) -> None
         ax.set_yticks(yt)
         ax.set_yticklabels([f"{y:g}" for y in yt])
         ax.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-        ax.set_xlabel("link rate per rank (Mbit/s, full duplex)")
+        ax.set_xlabel("link rate per node uplink (Mbit/s, full duplex; unshaped inside a node)" if nodes
+                      else "link rate per rank (Mbit/s, full duplex)")
         ax.set_ylabel("time per step (ms, median, log scale)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, ncol=2, loc="upper right")
@@ -310,6 +318,7 @@ def write_report(args, cfg: dict, methods: list[str], links: list, raw: dict, fa
         nparams = results[0]["params"]
         plot(results, methods, os.path.join(args.out, "e2e_step_time.png"),
              f"dlion bench e2e: {world} ranks, CharGPT {nparams / 1e6:.1f} M params, batch "
-             f"{cfg['batch_size']}×{cfg['block_size']}/rank, {os.cpu_count()} shared CPU cores")
+             f"{cfg['batch_size']}×{cfg['block_size']}/rank, {os.cpu_count()} shared CPU cores"
+             + (f", {cfg['nodes']} nodes × {cfg['per_node']}" if cfg.get("nodes") else ""), nodes=bool(cfg.get("nodes")))
         print(f"wrote {os.path.join(args.out, 'e2e_results.json')}, e2e_table.txt, e2e_step_time.png")
     return 1 if failed else 0
