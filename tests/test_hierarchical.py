@@ -35,7 +35,8 @@ def hier_worker(rank, world, shape, configs):
             params, lr=LR, betas=BETAS, weight_decay=WD, mesh=mesh, vote=cfg["vote"], ties=cfg.get("ties", "zero"),
             comm=cfg.get("comm", "1bit"), momentum_sync=cfg.get("momentum_sync", "none"),
             aggregate=cfg.get("aggregate", "sign"), quant_norm=cfg.get("quant_norm", "l1"),
-            quant_bits=cfg.get("quant_bits", 8), bucket_cap_mb=cfg.get("bucket_cap_mb", 25.0), seed=5)
+            quant_bits=cfg.get("quant_bits", 8), bucket_cap_mb=cfg.get("bucket_cap_mb", 25.0), seed=5,
+            momentum_dtype=cfg.get("momentum_dtype"))
         history = []
         for t in range(STEPS):
             for p, g in zip(params, grads_for(rank, t, cfg.get("dense", False))):
@@ -65,7 +66,8 @@ def hier_reference(nodes, L, cfg, layout):
     """The hierarchical algorithm, literally: node-mean gradients, one momentum per node, a vote of the nodes."""
     dense = cfg.get("dense", False)
     x = [p.clone() for p in init_params(0)]
-    m = [[torch.zeros(s, dtype=d) for s, d in SHAPES] for _ in range(nodes)]
+    mdt = cfg.get("momentum_dtype")  # storage only: widened to the parameter's dtype for the math
+    m = [[torch.zeros(s, dtype=mdt or d) for s, d in SHAPES] for _ in range(nodes)]
     for t in range(STEPS):
         grads = [grads_for(r, t, dense) for r in range(nodes * L)]
         for k, (shape, dtype) in enumerate(SHAPES):
@@ -77,7 +79,7 @@ def hier_reference(nodes, L, cfg, layout):
                     continue
                 any_grad = True
                 g = sum(gi if gi is not None else torch.zeros(shape, dtype=dtype) for gi in gs) / L
-                c = BETAS[0] * m[a][k] + (1 - BETAS[0]) * g
+                c = BETAS[0] * m[a][k].to(dtype) + (1 - BETAS[0]) * g
                 if cfg.get("aggregate") == "quantized":
                     s = (2 ** (cfg.get("quant_bits", 8) - 1) - 1) // nodes
                     q = torch.zeros(c.numel())
@@ -91,7 +93,7 @@ def hier_reference(nodes, L, cfg, layout):
                     deltas.append(q.view(shape))
                 else:
                     deltas.append(torch.sign(c))
-                m[a][k] = BETAS[1] * m[a][k] + (1 - BETAS[1]) * g
+                m[a][k] = (BETAS[1] * m[a][k].to(dtype) + (1 - BETAS[1]) * g).to(mdt or dtype)
             if not any_grad:
                 continue
             s = sum(deltas)
@@ -128,6 +130,7 @@ CONFIGS = [
     dict(vote="avg", comm="pbit", dense=True),
     dict(vote="mavo", comm="auto", momentum_sync=2),
     dict(vote="mavo", aggregate="quantized", quant_bits=4, bucket_cap_mb=300 * 4 / 2**20),
+    dict(vote="mavo", momentum_dtype=torch.bfloat16, momentum_sync=3),
 ]
 
 
@@ -172,7 +175,7 @@ def flat_worker(rank, world, configs):
             params, lr=LR, betas=BETAS, weight_decay=WD, mesh=mesh, vote=cfg["vote"], ties=cfg.get("ties", "zero"),
             comm=cfg.get("comm", "1bit"), momentum_sync=cfg.get("momentum_sync", "none"),
             aggregate=cfg.get("aggregate", "sign"), quant_bits=cfg.get("quant_bits", 8),
-            bucket_cap_mb=cfg.get("bucket_cap_mb", 25.0), seed=5)
+            bucket_cap_mb=cfg.get("bucket_cap_mb", 25.0), seed=5, momentum_dtype=cfg.get("momentum_dtype"))
         for t in range(STEPS):
             for p, g in zip(params, grads_for(rank, t, cfg.get("dense", False))):
                 p.grad = g
@@ -191,6 +194,8 @@ def test_one_rank_per_node_is_exactly_flat_distributed_lion(world):
             # the same bytes between nodes as the flat optimizer between ranks (minus its one-time DDP check)
             flat_bytes = f["stats"]["bytes_sent"] - f["stats"]["by_kind"].get("check", [0])[0]
             assert h["stats"]["bytes_sent"] == flat_bytes, cfg
+            for key in ("voted", "unanimous", "tied"):  # and the same vote tallies
+                assert h["stats"][key] == f["stats"][key], (cfg, key)
 
 
 # -- bytes between nodes and momentum memory -----------------------------------------------------

@@ -118,7 +118,7 @@ class HierarchicalDistributedLion(Lion):
             ranks of a node, if unnamed). ``None``: built from torchrun's
             ``LOCAL_WORLD_SIZE`` (:func:`node_mesh`).
         vote, ties, comm, aggregate, quant_norm, quant_bits, momentum_sync, bucket_cap_mb,
-        seed, check_every, nonfinite, maximize, foreach: as for :class:`dlion.DistributedLion`,
+        seed, check_every, nonfinite, maximize, foreach, momentum_dtype: as for :class:`dlion.DistributedLion`,
             with the *nodes* as the voters (N = number of nodes): ``momentum_sync``
             averages the node momenta across nodes; quantised aggregation scales each
             parameter's piece of a slice on its own.
@@ -152,13 +152,15 @@ class HierarchicalDistributedLion(Lion):
         nonfinite: str = "skip",
         maximize: bool = False,
         foreach: Optional[bool] = None,
+        momentum_dtype: Optional[torch.dtype] = None,
     ):
         check_options(comm, aggregate, vote, quant_norm, quant_bits, momentum_sync, bucket_cap_mb,
                       check_every, nonfinite, None)
         self._ready = False
         params = list(params)
         _reject_unsupported(params)
-        super().__init__(params, lr, betas, weight_decay, maximize=maximize, foreach=foreach)
+        super().__init__(params, lr, betas, weight_decay, maximize=maximize, foreach=foreach,
+                         momentum_dtype=momentum_dtype)
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._group_of = [g for g in self.param_groups for _ in g["params"]]
         distributed = dist.is_available() and dist.is_initialized()
@@ -189,6 +191,8 @@ class HierarchicalDistributedLion(Lion):
         self.check_every, self.nonfinite = check_every, nonfinite
         self.comm_stats = CommStats()
         self.local_stats = CommStats()
+        #: completed ``step()`` calls, skipped ones included: keys the tie coins and the momentum-sync schedule
+        self.step_count = 0
         self.skipped_steps = 0
         self.warn_after_skips = 10
         self._skips_in_a_row = 0
@@ -202,7 +206,7 @@ class HierarchicalDistributedLion(Lion):
             L = self.local_world_size
             self.buckets = layout_buckets(self._params, self._group_of, self.world_size, bucket_cap_mb)
             self._slices = [_Slice(b, self.local_rank, L) for b in self.buckets]
-            self._sbufs = [RankBuffers(s) for s in self._slices]   # this rank's slice: momentum, grad, c, δ
+            self._sbufs = [RankBuffers(s, momentum_dtype) for s in self._slices]   # this rank's slice: momentum, grad, c, δ
             # whole bucket, padded: this rank's gradients, then η·Δ
             self._full = [torch.zeros(b.padded, dtype=b.dtype, device=b.device) for b in self.buckets]
             # the reduce-scatter's input: L rows of [slice of the gradients | header]
@@ -248,7 +252,8 @@ class HierarchicalDistributedLion(Lion):
     # -- construction ---------------------------------------------------------
     def _config(self) -> tuple:
         return (self.rule.vote, self.rule.ties, self.seed, self.comm, self.aggregate, self.quant_norm,
-                self.quant_bits, str(self.momentum_sync), self.bucket_cap_mb, self.check_every, self.nonfinite)
+                self.quant_bits, str(self.momentum_sync), self.bucket_cap_mb, self.check_every, self.nonfinite,
+                str(self.momentum_dtype))
 
     def _gather_everyone(self, obj) -> list:
         """``obj`` of every rank, in mesh order (node-major), identical on every rank: gathered
@@ -272,7 +277,7 @@ class HierarchicalDistributedLion(Lion):
                     "(shape, dtype, requires_grad).")
             if cfg != ref_cfg:
                 names = ("vote", "ties", "seed", "comm", "aggregate", "quant_norm", "quant_bits", "momentum_sync",
-                         "bucket_cap_mb", "check_every", "nonfinite")
+                         "bucket_cap_mb", "check_every", "nonfinite", "momentum_dtype")
                 diff = [f"{n}={x!r} on rank {r}, {y!r} on rank 0" for n, x, y in zip(names, cfg, ref_cfg) if x != y]
                 raise ValueError("HierarchicalDistributedLion: ranks disagree on the optimizer's options: "
                                  + "; ".join(diff))
@@ -320,14 +325,14 @@ class HierarchicalDistributedLion(Lion):
                                "autocast (no scaler) or use dlion.DistributedLion.")
         if self.world_size == 1:
             loss = super().step(closure)
-            self.comm_stats.steps += 1
+            self._count_step()
             return loss
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._check_frozen()
-        step_no = self.comm_stats.steps
+        step_no = self.step_count
         L = self.local_world_size
         # 1. inside the node: reduce-scatter of the gradients (+ headers), every bucket issued at once
         errors: list = []
@@ -436,7 +441,19 @@ class HierarchicalDistributedLion(Lion):
         out[S] = flags
         return out
 
+    def _count_step(self) -> None:
+        self.step_count += 1
+        self.comm_stats.steps += 1
+        self.local_stats.steps += 1
+
     def _finish(self, step_no: int, flights: list, rows: list, presents: list, errors: list) -> None:
+        self.comm_stats.wait_s += sum(f.waited for f in flights)
+        tallies = [f.outcome.tally for f in flights if f.outcome.tally is not None]
+        if tallies:  # the votes this rank decided (its chunk of its slice, for 1bit)
+            voted, unanimous, tied = torch.stack(tallies).sum(0).tolist()
+            self.comm_stats.voted += voted
+            self.comm_stats.unanimous += unanimous
+            self.comm_stats.tied += tied
         flags = 0
         for r in rows:
             flags |= _or_all(r[:, -1])
@@ -455,8 +472,7 @@ class HierarchicalDistributedLion(Lion):
                 raise FloatingPointError(f"HierarchicalDistributedLion: a node has inf/NaN gradients at step "
                                          f"{step_no}; no rank changed anything.")
             self.skipped_steps += 1
-            self.comm_stats.steps += 1
-            self.local_stats.steps += 1
+            self._count_step()
             self._skips_in_a_row += 1
             if self._skips_in_a_row == self.warn_after_skips:
                 warnings.warn(f"HierarchicalDistributedLion: {self._skips_in_a_row} steps in a row skipped because "
@@ -466,11 +482,10 @@ class HierarchicalDistributedLion(Lion):
         self._skips_in_a_row = 0
         for k, (b, f, r) in enumerate(zip(self.buckets, flights, rows)):
             self._apply(k, b, f.outcome, r, presents[k])
-        self.comm_stats.steps += 1
-        self.local_stats.steps += 1
-        if momentum_sync_due(self.momentum_sync, self.comm_stats.steps):
+        self._count_step()
+        if momentum_sync_due(self.momentum_sync, self.step_count):
             self.synchronize_momenta()
-        if self.check_every and self.comm_stats.steps % self.check_every == 0:
+        if self.check_every and self.step_count % self.check_every == 0:
             self.check_replicas()
 
     def _apply(self, k: int, b: Bucket, o: Outcome, rows: Tensor, present: list[bool]) -> None:
@@ -533,12 +548,12 @@ class HierarchicalDistributedLion(Lion):
                 if not torch.equal(table[r, i], table[0, i]):
                     raise DesyncError(
                         f"HierarchicalDistributedLion: parameter {i} (shape {tuple(p.shape)}) differs between rank 0 "
-                        f"and rank {r} after step {self.comm_stats.steps}; replicas have diverged.")
+                        f"and rank {r} after step {self.step_count}; replicas have diverged.")
 
     # -- checkpointing ----------------------------------------------------------
     def state_dict(self) -> dict:
         sd = super().state_dict()
-        sd["dlion"] = {"comm_stats": self.comm_stats.state_dict(), "local_stats": self.local_stats.state_dict(),
+        sd["dlion"] = {"step_count": self.step_count, "comm_stats": self.comm_stats.state_dict(), "local_stats": self.local_stats.state_dict(),
                        "world_size": self.world_size, "rank": self.rank, "vote": self.rule.vote,
                        "ties": self.rule.ties, "seed": self.seed, "aggregate": self.aggregate,
                        "skipped_steps": self.skipped_steps, "wire": [(w.up, w.down) for w in self._wire],
@@ -579,6 +594,7 @@ class HierarchicalDistributedLion(Lion):
                 buf.momentum.copy_(m)
         if extra is not None:
             self.comm_stats.load_state_dict(extra["comm_stats"])
+            self.step_count = int(extra.get("step_count", self.comm_stats.steps))
             if "local_stats" in extra:
                 self.local_stats.load_state_dict(extra["local_stats"])
             self.skipped_steps = int(extra.get("skipped_steps", 0))
