@@ -11,7 +11,7 @@ from dlion.algorithms import (ALGORITHMS, Contribution, WireState, choose_algori
                               zero_runs)
 from dlion.codec import ALIGN
 from dlion.collectives import CommStats, GroupTransport, field_width
-from dlion.distributed import _Flight
+from dlion.distributed import Flight
 from dlion.simulate import _lockstep
 from dlion.lab.spawn import spawn
 
@@ -51,7 +51,7 @@ def codes_worker(rank, world, n):
                 state = state_for(name)
                 codes = []
                 for step in range(2):  # a second step runs in whatever format the first settled on
-                    flight = _Flight(alg.run(state, contribution(rank, world, pattern, n), rank, coin_key(1, 0, 0)),
+                    flight = Flight(alg.run(state, contribution(rank, world, pattern, n), rank, coin_key(1, 0, 0)),
                                      transport)
                     flight.advance(transport, block=True)
                     codes.append(flight.outcome.codes.to(torch.int32))

@@ -245,7 +245,8 @@ def bytes_worker(rank, world, configs):
         torch.manual_seed(0)
         params = [torch.randn(BIG, requires_grad=True), torch.randn(40, requires_grad=True)]
         opt = dlion.HierarchicalDistributedLion(params, lr=1e-3, mesh=mesh, **cfg)
-        flat = dlion.DistributedLion([p.detach().clone().requires_grad_() for p in params], lr=1e-3)
+        flat_params = [p.detach().clone().requires_grad_() for p in params]
+        flat = dlion.DistributedLion(flat_params, lr=1e-3)
         g = torch.Generator().manual_seed(rank)
         tap = GroupTap(2)
         try:
@@ -261,7 +262,7 @@ def bytes_worker(rank, world, configs):
                         hier_momentum_bytes=sum(m.numel() * m.element_size()
                                                 for m in sd["dlion"]["hierarchical"]["momentum"]),
                         flat_momentum_bytes=sum(flat.state[p]["exp_avg"].numel() * flat.state[p]["exp_avg"].element_size()
-                                                for p in flat._params),
+                                                for p in flat_params),
                         momentum_numel=opt.momentum_numel))
     return out
 

@@ -52,7 +52,7 @@ from .collectives import CommStats, GroupTransport
 from .lion import Lion, param_tensors, check_grad
 from .quantize import NORMS, levels
 
-__all__ = ["DistributedLion", "DesyncError", "momentum_sync_due"]
+__all__ = ["DistributedLion", "DesyncError", "momentum_sync_due", "Flight", "reject_unsupported", "bits_checksum"]
 
 AGGREGATES = ("sign", "quantized")
 NONFINITE_POLICIES = ("skip", "raise")
@@ -72,7 +72,7 @@ def momentum_sync_due(schedule: Union[str, int], step: int) -> bool:
     return step % int(schedule) == 0
 
 
-class _Flight:
+class Flight:
     """One bucket's exchange in flight: drives the algorithm's generator over transports."""
 
     def __init__(self, gen, first: GroupTransport):
@@ -103,7 +103,7 @@ class _Step:
     """The buckets of one step: which are issued, which are done."""
 
     def __init__(self, opt: "DistributedLion"):
-        self.flights: list[Optional[_Flight]] = [None] * len(opt.buckets)
+        self.flights: list[Optional[Flight]] = [None] * len(opt.buckets)
         self.present: list = [None] * len(opt.buckets)
         self.errors: list = [None] * len(opt.buckets)
         self.pending = [set(range(len(b.params))) for b in opt.buckets]
@@ -188,7 +188,7 @@ class DistributedLion(Lion):
                       check_every, nonfinite, sign_hook)
         self._ready = False
         params = list(params)
-        _reject_unsupported(params)
+        reject_unsupported(params)
         super().__init__(params, lr, betas, weight_decay, maximize=maximize, foreach=foreach,
                          momentum_dtype=momentum_dtype)
         self.process_group = process_group
@@ -368,7 +368,7 @@ class DistributedLion(Lion):
             with record_function("dlion.exchange"):
                 gen = self._algorithms[k].run(self._wire[k], contrib, self.rank,
                                               coin_key(self.seed, step_no, k))
-                st.flights[k] = _Flight(gen, self._first)
+                st.flights[k] = Flight(gen, self._first)
             st.issued += 1
 
     def _advance(self, block: bool) -> None:
@@ -519,7 +519,7 @@ class DistributedLion(Lion):
         """After the first step: gradients bitwise equal on every rank mean that something
         (DistributedDataParallel, usually) already averaged them — paying for an fp32
         all-reduce *and* the vote. One small all-gather of checksums, once."""
-        mine = torch.stack([_checksum(buf.grad) for buf in self._buffers]).view(torch.int32).reshape(-1)
+        mine = torch.stack([bits_checksum(buf.grad) for buf in self._buffers]).view(torch.int32).reshape(-1)
         work, everyone = self._first.issue("all_gather", mine.to(self.buckets[0].device), "check")
         work.wait()
         table = everyone.cpu().view(self.world_size, -1)
@@ -579,7 +579,7 @@ class DistributedLion(Lion):
         if self.world_size == 1:
             return
         device = self._params[0].device  # NCCL only gathers device tensors
-        mine = torch.stack([_checksum(p) for p in self._params]).view(torch.int32).reshape(-1).to(device)
+        mine = torch.stack([bits_checksum(p) for p in self._params]).view(torch.int32).reshape(-1).to(device)
         work, everyone = self._first.issue("all_gather", mine, "check")
         work.wait()
         table = everyone.cpu().view(self.world_size, len(self._params), 4)
@@ -698,7 +698,7 @@ def check_options(comm, aggregate, vote, quant_norm, quant_bits, momentum_sync, 
         raise ValueError(f"Unknown nonfinite {nonfinite!r}; choose one of {', '.join(map(repr, NONFINITE_POLICIES))}.")
 
 
-def _reject_unsupported(params: list) -> None:
+def reject_unsupported(params: list) -> None:
     """Meta tensors and DTensors cannot be replicated by a broadcast; say so at construction."""
     try:
         from torch.distributed.tensor import DTensor
@@ -743,7 +743,7 @@ def _scatter_flat(flat: Tensor, tensors: list[Tensor]) -> None:
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _checksum(p: Tensor) -> Tensor:
+def bits_checksum(p: Tensor) -> Tensor:
     """Two int64 sums of a tensor's raw bits (plain and position-weighted); wrap-around is fine."""
     bits = p.detach().reshape(-1).view(_INT_OF_SIZE[p.element_size()]).to(torch.int64)
     pos = torch.arange(1, bits.numel() + 1, dtype=torch.int64, device=bits.device)

@@ -43,7 +43,8 @@ from .aggregation import VoteRule, coin_key
 from .algorithms import BAD, NONFINITE, Contribution, Outcome, WireState, choose_algorithm, make_algorithm
 from .buckets import Bucket, RankBuffers, Scratch, apply_scaled_delta, contribute, layout_buckets, update_momentum
 from .collectives import CommStats, GroupTransport
-from .distributed import DesyncError, _checksum, _Flight, _reject_unsupported, check_options, momentum_sync_due
+from .distributed import (DesyncError, Flight, bits_checksum, check_options, momentum_sync_due,
+                          reject_unsupported)
 from .lion import Lion, check_grad
 from .quantize import levels
 
@@ -158,7 +159,7 @@ class HierarchicalDistributedLion(Lion):
                       check_every, nonfinite, None)
         self._ready = False
         params = list(params)
-        _reject_unsupported(params)
+        reject_unsupported(params)
         super().__init__(params, lr, betas, weight_decay, maximize=maximize, foreach=foreach,
                          momentum_dtype=momentum_dtype)
         self._params = [p for g in self.param_groups for p in g["params"]]
@@ -352,7 +353,7 @@ class HierarchicalDistributedLion(Lion):
             presents.append(present)
             gen = self._algorithms[k].run(self._wire[k], contrib, self.node,
                                           coin_key(self.seed, step_no, k * L + self.local_rank))
-            flights.append(_Flight(gen, self._inter))
+            flights.append(Flight(gen, self._inter))
         # 3. across nodes: the later collectives of each vote, in bucket order
         for f in flights:
             f.advance(self._inter, block=True)
@@ -537,7 +538,7 @@ class HierarchicalDistributedLion(Lion):
         if self.world_size == 1:
             return
         device = self._params[0].device
-        mine = torch.stack([_checksum(p) for p in self._params]).view(torch.int32).reshape(-1).to(device)
+        mine = torch.stack([bits_checksum(p) for p in self._params]).view(torch.int32).reshape(-1).to(device)
         work, node = self._local.issue("all_gather", mine, "check") if self.local_world_size > 1 else (_Done, mine)
         work.wait()
         work, everyone = self._inter.issue("all_gather", node, "check") if self.num_nodes > 1 else (_Done, node)
