@@ -23,7 +23,7 @@ import torch.distributed as dist
 from dlion.aggregation import VoteRule
 from dlion.algorithms import ALGORITHMS, Contribution, WireState, make_algorithm, padded_length
 from dlion.collectives import CommStats, GroupTransport
-from dlion.distributed import _Flight
+from dlion.distributed import Flight
 from dlion.lab.bench.codec import parse_count
 from dlion.lab.spawn import spawn
 
@@ -56,7 +56,7 @@ def _worker(rank: int, world: int, n: int, steps: int, rules: list) -> list[dict
             state = WireState(up="narrow" if name == "pbit" else "runs")
 
             def once():
-                _Flight(alg.run(state, contrib, rank, 0), transport).advance(transport, block=True)
+                Flight(alg.run(state, contrib, rank, 0), transport).advance(transport, block=True)
 
             t = measure(once)
             calls = steps + 1  # measure() makes one warm-up call
