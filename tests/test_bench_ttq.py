@@ -45,3 +45,20 @@ def test_ttq_loopback_smoke(tmp_path, capsys):
     assert doc["composed"]["methods"]["g-lion"]["steps_to_target"] == 6  # L is G-Lion's final loss
     assert doc["curves"]["g-lion"][0] == doc["curves"]["d-mavo-1bit-ov"][0]  # same initial model
     assert "target L" in capsys.readouterr().out
+
+
+def test_ttq_hierarchical_and_bf16_momentum_report_their_state(tmp_path, capsys):
+    # 4 ranks as 2 nodes × 2: the hierarchical method holds half a node momentum per rank; bf16 momentum is
+    # half of fp32 — optimizer state bytes per rank against G-Lion's fp32 momentum, and a loss-vs-step plot
+    rc = ttq.main(["--workers", "4", "--per-node", "2", "--methods", "h-mavo-1bit,d-mavo-1bit-ov-m16",
+                   "--steps", "2", "--eval-every", "2", "--eval-batches", "1", "--n-layer", "1", "--n-embd", "32",
+                   "--n-head", "1", "--block-size", "16", "--no-progress", "--out", str(tmp_path)])
+    assert rc == 0
+    doc = json.loads((tmp_path / "ttq_results.json").read_text())
+    state = {m: r["optimizer_state_bytes"] for m, r in doc["runs"].items()}
+    params = doc["runs"]["g-lion"]["params"]
+    assert state["g-lion"] == 4 * params
+    assert state["d-mavo-1bit-ov-m16"] == 2 * params
+    assert 2 * params <= state["h-mavo-1bit"] < 2 * params + 4 * 40 * 4 * 8  # half of it, plus slice padding
+    assert (tmp_path / "ttq_loss_vs_step.png").stat().st_size > 0
+    assert "optimizer state per rank" in capsys.readouterr().out

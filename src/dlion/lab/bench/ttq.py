@@ -106,7 +106,10 @@ def train_rank(rank: int, world: int, cfg: dict, emit: Callable[[dict], None]) -
 
 
 def _state_bytes(opt) -> int:
-    """Bytes of this rank's optimizer state tensors (momenta; step counters excluded)."""
+    """Bytes of this rank's optimizer state tensors (momenta; step counters excluded). The
+    hierarchical optimizer keeps its momentum slices outside ``opt.state``: it reports them."""
+    if hasattr(opt, "momentum_numel"):
+        return opt.momentum_numel * torch.empty(0, dtype=opt.momentum_dtype or torch.float32).element_size()
     return sum(v.numel() * v.element_size() for st in opt.state.values() for k, v in st.items()
                if isinstance(v, torch.Tensor) and k != "step")
 
@@ -257,6 +260,8 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dlion bench ttq", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--per-node", type=int, default=0,
+                    help="ranks per node for the hierarchical methods h-* (loopback: nodes are only a grouping)")
     ap.add_argument("--methods", default=DEFAULT_METHODS)
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--eval-every", type=int, default=50)
@@ -324,7 +329,8 @@ def main(argv: list[str]) -> int:
            "weight_decay": args.weight_decay, "ties": args.ties, "quant_bits": args.quant_bits, "seed": args.seed,
            "steps": args.steps, "eval_every": args.eval_every, "eval_batches": args.eval_batches,
            "warmup_frac": args.warmup_frac, "methods": methods, "timeout": args.timeout, "synthetic": False,
-           "sequential": True, "warmup": 0}
+           "sequential": True, "warmup": 0, "per_node": args.per_node,
+           "nodes": args.workers // args.per_node if args.per_node else 0}
     step_ms = _step_times(args.step_times, cfg, args.workers) if args.step_times else {}
     os.makedirs(args.out, exist_ok=True)
     bar = None
