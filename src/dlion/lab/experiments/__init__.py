@@ -21,7 +21,8 @@ compression rate is swept by listing several, e.g.
 Outputs in ``--out``: ``runs.jsonl`` (one line per finished run, written at
 once: the resume log), ``tune_runs.jsonl`` and ``tuned.json`` (tuning),
 ``summary.csv`` / ``summary.json`` (mean ± std over seeds per method and N)
-and the figures ``results_<task>_*.png`` (in ``--fig-dir``, default ``--out``).
+and the figures ``results_<task>_*.png`` (in ``--fig-dir``, default ``--out``;
+``--fig-name`` changes the ``results_<task>`` part).
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "200 for shakespeare; --plot-only: the budget of the runs in the file if they share one)")
     p.add_argument("--out", default="experiment_out", help="results directory")
     p.add_argument("--fig-dir", default=None, help="where the PNG figures go (default: --out)")
+    p.add_argument("--fig-name", default=None,
+                   help="figure files are FIG_NAME_{curves,final_vs_N,vs_bits}.png (default: results_TASK)")
     p.add_argument("--config", default=None, help="tuned hyperparameters (JSON written by --tune)")
     p.add_argument("--resume", action="store_true", help="continue a sweep: skip runs already in runs.jsonl")
     p.add_argument("--tune", action="store_true",
@@ -164,6 +167,6 @@ def main(argv: list[str] | None = None) -> int:
     if not runs:
         print("dlion experiment: no finished runs to summarise", file=sys.stderr)
         return 1
-    for line in report(runs, args.out, fig_dir):
+    for line in report(runs, args.out, fig_dir, args.fig_name):
         print(line)
     return 0

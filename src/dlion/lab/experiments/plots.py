@@ -46,6 +46,14 @@ def _ordered(methods):
     return sorted(methods, key=key)
 
 
+def _source(rec):
+    if not is_legacy(rec):
+        return rec.get("bits_source", "")
+    if _base(rec["method"]).startswith(("dlion", "lioncub")):
+        return "counted (wire format)"
+    return "counted (formula, from the stored counts)"
+
+
 def _labels(runs):
     """Legend text per method spec (old records of DGC / GradDrop marked pre-audit)."""
     out = {}
@@ -72,8 +80,7 @@ def summarize(runs: list[dict]) -> list[dict]:
                 "std": float(np.std(finals, ddof=1)) if len(rs) > 1 else 0.0,
                 "diverged": int(sum(r["diverged"] for r in rs)),
                 "bits": float(np.mean(bits)),
-                "bits_source": rs[0].get("bits_source", "") if not is_legacy(rs[0])
-                else "counted (converted from the old up + down record)",
+                "bits_source": _source(rs[0]),
                 "lr": rs[0]["lr"], "weight_decay": rs[0]["weight_decay"], "steps": rs[0]["steps"],
                 "budget": rs[0]["budget"], "budget_unit": rs[0]["budget_unit"],
                 "seconds_per_run": float(np.mean([r["seconds"] for r in rs])),
@@ -140,7 +147,7 @@ def _styles(methods):
     return out
 
 
-def figures(runs: list[dict], fig_dir: str) -> list[str]:
+def figures(runs: list[dict], fig_dir: str, name: str | None = None) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -149,6 +156,7 @@ def figures(runs: list[dict], fig_dir: str) -> list[str]:
 
     os.makedirs(fig_dir, exist_ok=True)
     task = runs[0]["task"]
+    name = name or f"results_{task}"
     metric = runs[0]["metric"]
     acc = "accuracy" in metric
     groups = defaultdict(list)
@@ -181,7 +189,7 @@ def figures(runs: list[dict], fig_dir: str) -> list[str]:
             ax.set_ylim(lo - 0.05, lo + 1.5)
     axes[0][-1].legend(fontsize=6, loc="center left" if many else "best", bbox_to_anchor=(1.0, 0.5) if many else None)
     fig.tight_layout()
-    p = os.path.join(fig_dir, f"results_{task}_curves.png")
+    p = os.path.join(fig_dir, f"{name}_curves.png")
     fig.savefig(p, dpi=110)
     plt.close(fig)
     paths.append(p)
@@ -209,7 +217,7 @@ def figures(runs: list[dict], fig_dir: str) -> list[str]:
     ax.legend(fontsize=6 if many else 7, loc="center left" if many else "best",
               bbox_to_anchor=(1.0, 0.5) if many else None)
     fig.tight_layout()
-    p = os.path.join(fig_dir, f"results_{task}_final_vs_N.png")
+    p = os.path.join(fig_dir, f"{name}_final_vs_N.png")
     fig.savefig(p, dpi=110)
     plt.close(fig)
     paths.append(p)
@@ -230,9 +238,10 @@ def figures(runs: list[dict], fig_dir: str) -> list[str]:
             x = [q[0] for q in pts]
             y = [100 * (1 - q[1]) if acc else q[1] for q in pts]
             e = [scale * q[2] for q in pts]
-            name = labels[pts[0][3]] if len(pts) == 1 else label(b) + (" (pre-audit)" if "pre-audit" in labels[pts[0][3]] else "")
+            legend = labels[pts[0][3]] if len(pts) == 1 else label(b) + (
+                " (pre-audit)" if "pre-audit" in labels[pts[0][3]] else "")
             ax.errorbar(x, y, yerr=e, color=COLORS[b], marker=MARKERS[b], ms=9 if b == "dlion_mavo" else 6,
-                        capsize=3, ls="-" if len(pts) > 1 else "none", lw=0.9, label=name)
+                        capsize=3, ls="-" if len(pts) > 1 else "none", lw=0.9, label=legend)
             if len(pts) > 1:
                 for q, yy in zip(pts, y):
                     arg = parse_method(q[3])[1]
@@ -241,8 +250,11 @@ def figures(runs: list[dict], fig_dir: str) -> list[str]:
                                 color=COLORS[b])
         ax.set_xscale("log")
         if xs_all:
-            ax.set_xlim(min(xs_all) / 1.6, max(xs_all) * 1.6)
+            lo, hi = min(xs_all) / 1.6, max(xs_all) * 1.6
+            ax.set_xlim(lo, hi)
+            ax.set_xticks([t for t in (0.01, 0.03, 0.1, 0.3, 1, 2, 4, 8, 16, 32, 64) if lo <= t <= hi])
         ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel("bits sent per parameter per step, per rank (counted)")
         ax.set_title(f"N = {n}")
         ax.grid(alpha=0.3, which="both")
@@ -250,14 +262,14 @@ def figures(runs: list[dict], fig_dir: str) -> list[str]:
     axes[0][-1].legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.suptitle(f"{task}: {'test error' if acc else 'validation loss'} vs communication")
     fig.tight_layout()
-    p = os.path.join(fig_dir, f"results_{task}_vs_bits.png")
+    p = os.path.join(fig_dir, f"{name}_vs_bits.png")
     fig.savefig(p, dpi=110)
     plt.close(fig)
     paths.append(p)
     return paths
 
 
-def report(runs: list[dict], out_dir: str, fig_dir: str) -> list[str]:
+def report(runs: list[dict], out_dir: str, fig_dir: str, fig_name: str | None = None) -> list[str]:
     """Write summary.csv, summary.json and the figures; return the Markdown tables."""
     rows = summarize(runs)
     os.makedirs(out_dir, exist_ok=True)
@@ -267,5 +279,5 @@ def report(runs: list[dict], out_dir: str, fig_dir: str) -> list[str]:
         w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
         w.writeheader()
         w.writerows(rows)
-    paths = figures(runs, fig_dir)
+    paths = figures(runs, fig_dir, fig_name)
     return markdown_tables(rows) + [""] + [f"figure: {p}" for p in paths]
