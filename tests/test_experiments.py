@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dlion.lab.experiments import main
-from dlion.lab.experiments.runner import canonical, common_bits, label, load_runs, make_method, parse_method, run_one
+from dlion.lab.experiments.runner import (canonical, common_bits, dgc_clip, label, load_runs, make_method,
+                                          parse_method, run_one)
 from dlion.lab.experiments.tasks import make_task
 
 TINY = ["--task", "mnist1d", "--methods", "glion,dgc,dlion_mavo", "--workers", "2,4", "--seeds", "0,1",
@@ -117,6 +118,15 @@ def test_method_specs():
     assert label("dgc:0.001") == "DGC 0.1 %" and label("powersgd_lion:2") == "PowerSGD r=2 + Lion"
     assert label("dgc", legacy=True) == "DGC (pre-audit)"
     assert parse_method("graddrop:0.05") == ("graddrop", 0.05)
+    # DGC's local clipping threshold is a third field, off by default (as in the reference code)
+    assert canonical("dgc:0.010:clip=1.0") == "dgc:0.01:clip=1" and label("dgc:0.01:clip=1") == "DGC 1 %, clip 1"
+    assert dgc_clip("dgc:0.01") is None and dgc_clip("dgc:0.01:clip=0.5") == 0.5
+    params = [torch.zeros(4, 3)]
+    assert make_method("dgc:0.5:clip=2", params, 4, {"lr": 0.1, "weight_decay": 0}, "mnist1d", 0, 10).agg.clip_norm == 2
+    assert make_method("dgc:0.5", params, 4, {"lr": 0.1, "weight_decay": 0}, "mnist1d", 0, 10).agg.clip_norm is None
+    for bad in ("dgc:0.01:clip=0", "dgc:0.01:foo=1", "graddrop:0.01:clip=1", "dgc:0.01:clip=1:x"):
+        with pytest.raises(ValueError):
+            canonical(bad)
 
 
 def _bits_of(spec, N, shapes, steps=2):
@@ -221,7 +231,7 @@ def test_dgc_at_density_one_tracks_momentum_sgd_in_a_run():
     m = make_method("dgc:1", list(a.parameters()), N, {"lr": 0.1, "weight_decay": 0.0}, "mnist1d", 0, 10 * steps)
     opt = torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9)
     for step in range(steps):
-        grads = [0.01 * torch.randn(N, 3, 5), 0.01 * torch.randn(N, 3)]  # below the clipping norm 1/√N
+        grads = [0.01 * torch.randn(N, 3, 5), 0.01 * torch.randn(N, 3)]
         m.step(grads)
         for group in opt.param_groups:  # the reference script's lr warm-up, lr/N → lr over 10 % of the steps
             group["lr"] = 0.1 * (step * (N - 1) / (steps) + 1) / N if step < steps else 0.1

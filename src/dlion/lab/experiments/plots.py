@@ -23,7 +23,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from .runner import METHODS, common_bits, is_legacy, label, parse_method
+from .runner import METHODS, common_bits, dgc_clip, is_legacy, label, parse_method
 
 __all__ = ["summarize", "report", "markdown_tables"]
 
@@ -36,6 +36,13 @@ MARKERS = {"glion": "o", "gadamw": "s", "terngrad": "v", "graddrop": "^", "dgc":
 
 def _base(m):
     return parse_method(m)[0]
+
+
+def _line(m):
+    """The settings joined into one frontier line: one per base method (and DGC clipping threshold)."""
+    b = _base(m)
+    clip = dgc_clip(m) if b == "dgc" else None
+    return b if clip is None else f"{b}:clip={clip:g}"
 
 
 def _ordered(methods):
@@ -224,24 +231,27 @@ def figures(runs: list[dict], fig_dir: str, name: str | None = None) -> list[str
 
     # 3. error vs bits sent per parameter per step (Fig. 4); one line per compressor's settings
     fig, axes = plt.subplots(1, len(ns), figsize=(4.6 * len(ns) + 2.5, 4.0), squeeze=False, sharey=True)
-    bases = []
+    lines = []
     for m in methods:
-        if _base(m) not in bases:
-            bases.append(_base(m))
+        if _line(m) not in lines:
+            lines.append(_line(m))
     xs_all = [by[k]["bits"] for k in by if by[k]["bits"] > 0]
     for ax, n in zip(axes[0], ns):
-        for b in bases:
+        for ln in lines:
+            b = _base(ln)
             pts = sorted(((by[(m, n)]["bits"], by[(m, n)]["mean"], by[(m, n)]["std"], m) for m in methods
-                          if _base(m) == b and (m, n) in by))
+                          if _line(m) == ln and (m, n) in by))
             if not pts:
                 continue
             x = [q[0] for q in pts]
             y = [100 * (1 - q[1]) if acc else q[1] for q in pts]
             e = [scale * q[2] for q in pts]
             legend = labels[pts[0][3]] if len(pts) == 1 else label(b) + (
-                " (pre-audit)" if "pre-audit" in labels[pts[0][3]] else "")
+                " (pre-audit)" if "pre-audit" in labels[pts[0][3]] else "") + (
+                f", clip {dgc_clip(ln):g}" if ln != b else "")
             ax.errorbar(x, y, yerr=e, color=COLORS[b], marker=MARKERS[b], ms=9 if b == "dlion_mavo" else 6,
-                        capsize=3, ls="-" if len(pts) > 1 else "none", lw=0.9, label=legend)
+                        capsize=3, ls=("--" if ln != b else "-") if len(pts) > 1 else "none", lw=0.9,
+                        label=legend, mfc="none" if ln != b else None)
             if len(pts) > 1:
                 for q, yy in zip(pts, y):
                     arg = parse_method(q[3])[1]

@@ -56,10 +56,9 @@ from .tasks import Task, make_task
 
 __all__ = ["METHODS", "LABELS", "GRIDS", "DEFAULTS", "make_method", "run_one", "run_key", "sweep", "tune",
            "load_runs", "MOMENTUM_SYNC_K", "parse_method", "canonical", "label", "family", "common_bits",
-           "DGC_CLIP_NORM", "BITS_AXIS"]
+           "dgc_clip", "BITS_AXIS"]
 
 MOMENTUM_SYNC_K = 32
-DGC_CLIP_NORM = 1.0        # DGC's global clipping threshold (each worker clips to it/√N); not tuned
 BITS_AXIS = "per_rank_sent"
 IMPL = 2                   # 2: the audited baselines (DGC after its reference code, GradDrop global threshold)
 
@@ -83,8 +82,14 @@ FAMILY = {"glion": "lion", "dlion_avg": "lion", "dlion_mavo": "lion", "lioncub_q
 
 
 def parse_method(spec: str) -> tuple[str, Optional[float]]:
-    """``"dgc:0.01"`` → ("dgc", 0.01); ``"dgc"`` → ("dgc", 0.001) (the default); ``"glion"`` → ("glion", None)."""
+    """``"dgc:0.01"`` → ("dgc", 0.01); ``"dgc"`` → ("dgc", 0.001) (the default); ``"glion"`` → ("glion", None).
+    DGC takes one more field, its local clipping threshold: ``"dgc:0.01:clip=1"`` (see :func:`dgc_clip`)."""
     base, _, arg = spec.partition(":")
+    arg, _, extra = arg.partition(":")
+    if extra:
+        if base != "dgc":
+            raise ValueError(f"only dgc takes a third field (clip=C), got {spec!r}")
+        dgc_clip(spec)
     if base not in METHODS:
         raise ValueError(f"unknown method {base!r}; choose from {', '.join(METHODS)}")
     if base not in PARAMS:
@@ -107,10 +112,29 @@ def parse_method(spec: str) -> tuple[str, Optional[float]]:
     return base, value
 
 
+def dgc_clip(spec: str) -> Optional[float]:
+    """DGC's global clipping threshold C of a spec ``dgc:DENSITY:clip=C`` (each worker clips its
+    gradient to the L2 norm C/√N); None (no clipping, the reference code's default) without it."""
+    parts = spec.split(":")
+    if len(parts) < 3:
+        return None
+    key, _, value = parts[2].partition("=")
+    try:
+        clip = float(value)
+    except ValueError:
+        clip = -1.0
+    if key != "clip" or len(parts) > 3 or not clip > 0:
+        raise ValueError(f"DGC's third field must be clip=C with C > 0, got {spec!r}")
+    return clip
+
+
 def canonical(spec: str) -> str:
     """The spec with its parameter written out: ``"dgc"`` → ``"dgc:0.001"``."""
     base, arg = parse_method(spec)
-    return base if arg is None else f"{base}:{arg:g}"
+    if arg is None:
+        return base
+    clip = dgc_clip(spec) if base == "dgc" else None
+    return f"{base}:{arg:g}" + (f":clip={clip:g}" if clip is not None else "")
 
 
 def family(spec: str) -> str:
@@ -123,6 +147,8 @@ def label(spec: str, legacy: bool = False) -> str:
     text = LABELS[base]
     if base in ("dgc", "graddrop") and ":" in spec:
         text += f" {100 * arg:g} %"
+        if base == "dgc" and dgc_clip(spec) is not None:
+            text += f", clip {dgc_clip(spec):g}"
     elif base.startswith("powersgd") and ":" in spec:
         text = f"PowerSGD r={arg} + " + ("Lion" if base.endswith("lion") else "AdamW")
     if legacy and base in ("dgc", "graddrop"):
@@ -195,7 +221,7 @@ class GlobalMethod:
             self.agg = B.GradDrop(shapes, world_size, density=arg)
         elif name == "dgc":
             self.agg = B.DGC(shapes, world_size, density=arg, momentum=0.9, warmup_steps=max(1, total_steps // 10),
-                             clip_norm=DGC_CLIP_NORM)
+                             clip_norm=dgc_clip(spec))
         elif name.startswith("powersgd"):
             self.agg = B.PowerSGD(shapes, world_size, rank=arg, random_seed=seed)
         else:
