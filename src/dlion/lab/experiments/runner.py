@@ -37,16 +37,13 @@ before this axis was introduced (``bits_axis`` absent) are converted by
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 import time
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch import nn
 
 from dlion.lion import Lion
 from dlion.simulate import SimulatedDistributedLion
