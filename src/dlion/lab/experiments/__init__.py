@@ -7,15 +7,22 @@ Examples::
     # 2. the sweep, reading the tuned config; --resume skips finished runs
     dlion experiment --task mnist1d --workers 4,8,16,32 --seeds 0,1,2 --steps 120 \\
         --config docs/results/mnist1d/tuned.json --out docs/results/mnist1d --fig-dir docs/figures --resume
-    # 3. redraw figures and tables from the results file (--merge: add the runs of
+    # 3. redraw figures and tables from the results file, without training (methods, N,
+    #    seeds and step budget default to those in the file; --merge: add the runs of
     #    shards of the same sweep run as separate processes, e.g. one per N)
     dlion experiment --task mnist1d --plot-only --config docs/results/mnist1d/tuned.json \\
         --out docs/results/mnist1d --fig-dir docs/figures [--merge DIR ...]
 
+Methods are specs: a base name, or a compressor with its parameter after a colon —
+``dgc:0.01`` (density 1 %), ``graddrop:0.001``, ``powersgd_adamw:4`` (rank 4) — so a
+compression rate is swept by listing several, e.g.
+``--methods dgc:0.001,dgc:0.01,dgc:0.05,powersgd_lion:1,powersgd_lion:2``.
+
 Outputs in ``--out``: ``runs.jsonl`` (one line per finished run, written at
 once: the resume log), ``tune_runs.jsonl`` and ``tuned.json`` (tuning),
 ``summary.csv`` / ``summary.json`` (mean ± std over seeds per method and N)
-and the figures ``results_<task>_*.png`` (in ``--fig-dir``, default ``--out``).
+and the figures ``results_<task>_*.png`` (in ``--fig-dir``, default ``--out``;
+``--fig-name`` changes the ``results_<task>`` part).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import sys
 
 import torch
 
-from .runner import METHODS, hparams_for, load_runs, sweep, tune
+from .runner import METHODS, canonical, hparams_for, load_runs, sweep, tune
 from .tasks import TASKS
 
 __all__ = ["main", "build_parser"]
@@ -46,24 +53,32 @@ def _methods(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     if names == ["all"]:
         return list(METHODS)
-    bad = [n for n in names if n not in METHODS]
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown method(s) {bad}; choose from {', '.join(METHODS)} or 'all'")
-    return names
+    out = []
+    for n in names:
+        try:
+            out.append(canonical(n))
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{e} (or 'all')") from None
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dlion experiment", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", choices=TASKS, default="mnist1d")
-    p.add_argument("--methods", type=_methods, default=list(METHODS),
-                   help=f"comma-separated, or 'all' (default): {', '.join(METHODS)}")
-    p.add_argument("--workers", type=_ints, default=[4, 8, 16, 32], help="N values, e.g. 4,8,16,32")
-    p.add_argument("--seeds", type=_ints, default=[0, 1, 2])
+    p.add_argument("--methods", type=_methods, default=None,
+                   help=f"comma-separated specs (BASE or BASE:PARAM), or 'all' (the default for a sweep): "
+                        f"{', '.join(METHODS)}; --plot-only: default every method in the results file")
+    p.add_argument("--workers", type=_ints, default=None,
+                   help="N values, e.g. 4,8,16,32 (default 4,8,16,32; --plot-only: those in the file)")
+    p.add_argument("--seeds", type=_ints, default=None, help="default 0,1,2 (--plot-only: those in the file)")
     p.add_argument("--steps", type=int, default=None,
-                   help="optimizer steps per run, the same for every N (default: 120 for mnist1d/digits, 200 for shakespeare)")
+                   help="optimizer steps per run, the same for every N (default: 120 for mnist1d/digits, "
+                        "200 for shakespeare; --plot-only: the budget of the runs in the file if they share one)")
     p.add_argument("--out", default="experiment_out", help="results directory")
     p.add_argument("--fig-dir", default=None, help="where the PNG figures go (default: --out)")
+    p.add_argument("--fig-name", default=None,
+                   help="figure files are FIG_NAME_{curves,final_vs_N,vs_bits}.png (default: results_TASK)")
     p.add_argument("--config", default=None, help="tuned hyperparameters (JSON written by --tune)")
     p.add_argument("--resume", action="store_true", help="continue a sweep: skip runs already in runs.jsonl")
     p.add_argument("--tune", action="store_true",
@@ -82,10 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(max(1, args.threads))
     task = args.task
+    if not args.plot_only:
+        args.methods = list(METHODS) if args.methods is None else args.methods
+        args.workers = [4, 8, 16, 32] if args.workers is None else args.workers
+        args.seeds = [0, 1, 2] if args.seeds is None else args.seeds
     budget = args.steps
-    if budget is None:
+    if budget is None and not args.plot_only:
         budget = DEFAULT_BUDGET[task]
-    if budget < 1:
+    if budget is not None and budget < 1:
         print("dlion experiment: --steps must be >= 1", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
@@ -131,13 +150,23 @@ def main(argv: list[str] | None = None) -> int:
 
     from .plots import report
 
+    runs = [r for r in load_runs(runs_path) if r["task"] == task]
+    if budget is None:  # --plot-only without --steps: the file's budget, if there is one
+        budgets = sorted({r["budget"] for r in runs})
+        if len(budgets) > 1:
+            print(f"dlion experiment: {runs_path} holds runs of several budgets {budgets}; choose one with --steps",
+                  file=sys.stderr)
+            return 2
+        budget = budgets[0] if budgets else DEFAULT_BUDGET[task]
     # this sweep's runs only: same budget, and the hyperparameters of the config in force
-    runs = [r for r in load_runs(runs_path) if r["task"] == task and r["budget"] == budget
-            and r["method"] in args.methods and r["workers"] in args.workers and r["seed"] in args.seeds
+    runs = [r for r in runs if r["budget"] == budget
+            and (args.methods is None or canonical(r["method"]) in args.methods or r["method"] in args.methods)
+            and (args.workers is None or r["workers"] in args.workers)
+            and (args.seeds is None or r["seed"] in args.seeds)
             and {"lr": r["lr"], "weight_decay": r["weight_decay"]} == hparams_for(config, task, r["method"])]
     if not runs:
         print("dlion experiment: no finished runs to summarise", file=sys.stderr)
         return 1
-    for line in report(runs, args.out, fig_dir):
+    for line in report(runs, args.out, fig_dir, args.fig_name):
         print(line)
     return 0

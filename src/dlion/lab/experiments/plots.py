@@ -4,8 +4,13 @@ Figures, per task (``results_<task>_*.png``):
 
 ``curves``       the metric vs epoch (or step), one panel per N, mean over seeds;
 ``final_vs_N``   the final metric vs N, mean ± std over seeds;
-``vs_bits``      test error (1 − accuracy) or validation loss vs bits per
-                 parameter per iteration (log x), one panel per N.
+``vs_bits``      test error (1 − accuracy) or validation loss vs the bits one rank
+                 sends per parameter per step (counted; log x), one panel per N; the
+                 settings of one compressor (densities, ranks) are joined by a line,
+                 its frontier.
+
+Bits are those of :func:`dlion.lab.experiments.runner.common_bits` (one axis for
+every method, old records converted).
 """
 
 from __future__ import annotations
@@ -18,19 +23,50 @@ from collections import defaultdict
 
 import numpy as np
 
-from .runner import LABELS, METHODS
+from .runner import METHODS, common_bits, dgc_clip, is_legacy, label, parse_method
 
 __all__ = ["summarize", "report", "markdown_tables"]
 
 COLORS = {"glion": "#1f77b4", "gadamw": "#9467bd", "terngrad": "#8c564b", "graddrop": "#e377c2",
-          "dgc": "#7f7f7f", "dlion_avg": "#2ca02c", "dlion_mavo": "#d62728", "lioncub_quant": "#ff7f0e",
-          "lioncub_msync": "#17becf"}
-MARKERS = {"glion": "o", "gadamw": "s", "terngrad": "v", "graddrop": "^", "dgc": "<", "dlion_avg": "D",
-           "dlion_mavo": "*", "lioncub_quant": "P", "lioncub_msync": "X"}
+          "dgc": "#7f7f7f", "powersgd_lion": "#bcbd22", "powersgd_adamw": "#393b79", "dlion_avg": "#2ca02c",
+          "dlion_mavo": "#d62728", "lioncub_quant": "#ff7f0e", "lioncub_msync": "#17becf"}
+MARKERS = {"glion": "o", "gadamw": "s", "terngrad": "v", "graddrop": "^", "dgc": "<", "powersgd_lion": ">",
+           "powersgd_adamw": "h", "dlion_avg": "D", "dlion_mavo": "*", "lioncub_quant": "P", "lioncub_msync": "X"}
+
+
+def _base(m):
+    return parse_method(m)[0]
+
+
+def _line(m):
+    """The settings joined into one frontier line: one per base method (and DGC clipping threshold)."""
+    b = _base(m)
+    clip = dgc_clip(m) if b == "dgc" else None
+    return b if clip is None else f"{b}:clip={clip:g}"
 
 
 def _ordered(methods):
-    return [m for m in METHODS if m in methods]
+    """Specs in the order of METHODS, then by parameter."""
+    def key(m):
+        base, arg = parse_method(m)
+        return (METHODS.index(base), arg if arg is not None else 0)
+    return sorted(methods, key=key)
+
+
+def _source(rec):
+    if not is_legacy(rec):
+        return rec.get("bits_source", "")
+    if _base(rec["method"]).startswith(("dlion", "lioncub")):
+        return "counted (wire format)"
+    return "counted (formula, from the stored counts)"
+
+
+def _labels(runs):
+    """Legend text per method spec (old records of DGC / GradDrop marked pre-audit)."""
+    out = {}
+    for r in runs:
+        out[r["method"]] = label(r["method"], legacy=is_legacy(r) and ":" not in r["method"])
+    return out
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -38,20 +74,20 @@ def summarize(runs: list[dict]) -> list[dict]:
     groups = defaultdict(list)
     for r in runs:
         groups[(r["method"], r["workers"])].append(r)
+    labels = _labels(runs)
     rows = []
     for m in _ordered({k[0] for k in groups}):
         for n in sorted({k[1] for k in groups if k[0] == m}):
             rs = sorted(groups[(m, n)], key=lambda r: r["seed"])
             finals = np.array([r["final"] for r in rs], dtype=float)
-            bits = np.array([r["bits"] for r in rs], dtype=float)
+            bits = np.array([common_bits(r) for r in rs], dtype=float)
             rows.append({
-                "task": rs[0]["task"], "method": m, "label": LABELS[m], "workers": n, "seeds": len(rs),
+                "task": rs[0]["task"], "method": m, "label": labels[m], "workers": n, "seeds": len(rs),
                 "metric": rs[0]["metric"], "mean": float(np.mean(finals)),
                 "std": float(np.std(finals, ddof=1)) if len(rs) > 1 else 0.0,
                 "diverged": int(sum(r["diverged"] for r in rs)),
-                "bits": float(np.mean(bits)), "bits_source": rs[0].get("bits_source", ""),
-                "bits_up": float(np.mean([r.get("bits_up", float("nan")) for r in rs])),
-                "bits_down": float(np.mean([r.get("bits_down", float("nan")) for r in rs])),
+                "bits": float(np.mean(bits)),
+                "bits_source": _source(rs[0]),
                 "lr": rs[0]["lr"], "weight_decay": rs[0]["weight_decay"], "steps": rs[0]["steps"],
                 "budget": rs[0]["budget"], "budget_unit": rs[0]["budget_unit"],
                 "seconds_per_run": float(np.mean([r["seconds"] for r in rs])),
@@ -80,13 +116,13 @@ def markdown_tables(rows: list[dict]) -> list[str]:
         any_r = next(by[(m, n)] for n in ns if (m, n) in by)
         cells = [(_fmt(by[(m, n)]["mean"], by[(m, n)]["std"], pct) + f" ({by[(m, n)]['seeds']})")
                  if (m, n) in by else "–" for n in ns]
-        lines.append(f"| {LABELS[m]} | {any_r['lr']:g} | {any_r['weight_decay']:g} | " + " | ".join(cells) + " |")
-    lines += ["", "| method | source | " + " | ".join(f"bits/param/iter N={n}" for n in ns) + " |",
+        lines.append(f"| {any_r['label']} | {any_r['lr']:g} | {any_r['weight_decay']:g} | " + " | ".join(cells) + " |")
+    lines += ["", "| method | source | " + " | ".join(f"bits sent/param/step N={n}" for n in ns) + " |",
               "|---|---|" + "---|" * len(ns)]
     for m in methods:
         any_r = next(by[(m, n)] for n in ns if (m, n) in by)
         cells = [f"{by[(m, n)]['bits']:.3g}" if (m, n) in by else "–" for n in ns]
-        lines.append(f"| {LABELS[m]} | {any_r['bits_source']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {any_r['label']} | {any_r['bits_source']} | " + " | ".join(cells) + " |")
     if ("dlion_mavo", ns[0]) in by or any(("glion", n) in by for n in ns):
         lines += ["", "| N | D-Lion MaVo − G-Lion |", "|---|---|"]
         for n in ns:
@@ -106,7 +142,19 @@ def _mean_curve(rs):
     return np.array(xs), np.nanmean(np.array(ys, dtype=float), axis=0)
 
 
-def figures(runs: list[dict], fig_dir: str) -> list[str]:
+def _styles(methods):
+    """(color, marker, linestyle) per spec: colour and marker by base method, line style
+    by the spec's place among the specs of its base (density / rank)."""
+    seen = defaultdict(int)
+    out = {}
+    for m in _ordered(methods):
+        b = _base(m)
+        out[m] = (COLORS[b], MARKERS[b], ["-", "--", ":", "-."][seen[b] % 4])
+        seen[b] += 1
+    return out
+
+
+def figures(runs: list[dict], fig_dir: str, name: str | None = None) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -115,26 +163,30 @@ def figures(runs: list[dict], fig_dir: str) -> list[str]:
 
     os.makedirs(fig_dir, exist_ok=True)
     task = runs[0]["task"]
+    name = name or f"results_{task}"
     metric = runs[0]["metric"]
     acc = "accuracy" in metric
-    unit = runs[0]["budget_unit"]
     groups = defaultdict(list)
     for r in runs:
         groups[(r["method"], r["workers"])].append(r)
     ns = sorted({r["workers"] for r in runs})
     methods = _ordered({r["method"] for r in runs})
+    labels = _labels(runs)
+    style = _styles(methods)
     ylabel = ("test accuracy (%)" if acc else "validation loss")
     scale = 100.0 if acc else 1.0
+    many = len(methods) > 12
     paths = []
 
-    # 1. metric vs epoch/step, one panel per N
-    fig, axes = plt.subplots(1, len(ns), figsize=(4.2 * len(ns), 3.6), squeeze=False)
+    # 1. metric vs epoch/step, one panel per N (the D-Lion paper's Fig. 2)
+    fig, axes = plt.subplots(1, len(ns), figsize=(4.6 * len(ns) + (2.5 if many else 0), 3.8), squeeze=False)
     for ax, n in zip(axes[0], ns):
         for m in methods:
             if (m, n) not in groups:
                 continue
             x, y = _mean_curve(groups[(m, n)])
-            ax.plot(x, scale * y, color=COLORS[m], label=LABELS[m], lw=1.6 if m.startswith("dlion") else 1.1)
+            c, _, ls = style[m]
+            ax.plot(x, scale * y, color=c, ls=ls, label=labels[m], lw=1.6 if m.startswith("dlion") else 1.1)
         ax.set_title(f"{task}, N = {n} (local batch {runs[0]['local_batch']})")
         ax.set_xlabel("epochs (samples seen / training set)" if acc else "step")
         ax.set_ylabel(ylabel)
@@ -142,9 +194,9 @@ def figures(runs: list[dict], fig_dir: str) -> list[str]:
         if not acc:
             lo = min(np.nanmin(_mean_curve(groups[(m, n)])[1]) for m in methods if (m, n) in groups)
             ax.set_ylim(lo - 0.05, lo + 1.5)
-    axes[0][-1].legend(fontsize=7, loc="best")
+    axes[0][-1].legend(fontsize=6, loc="center left" if many else "best", bbox_to_anchor=(1.0, 0.5) if many else None)
     fig.tight_layout()
-    p = os.path.join(fig_dir, f"results_{task}_curves.png")
+    p = os.path.join(fig_dir, f"{name}_curves.png")
     fig.savefig(p, dpi=110)
     plt.close(fig)
     paths.append(p)
@@ -152,14 +204,15 @@ def figures(runs: list[dict], fig_dir: str) -> list[str]:
     rows = summarize(runs)
     by = {(r["method"], r["workers"]): r for r in rows}
 
-    # 2. final metric vs N
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    # 2. final metric vs N (Fig. 3)
+    fig, ax = plt.subplots(figsize=(6.4 + (2.5 if many else 0), 4.4))
     for m in methods:
         pts = [(n, by[(m, n)]["mean"], by[(m, n)]["std"]) for n in ns if (m, n) in by]
         if not pts:
             continue
         x, y, e = map(np.array, zip(*pts))
-        ax.errorbar(x, scale * y, yerr=scale * e, color=COLORS[m], marker=MARKERS[m], capsize=3, label=LABELS[m],
+        c, mk, ls = style[m]
+        ax.errorbar(x, scale * y, yerr=scale * e, color=c, marker=mk, ls=ls, capsize=3, label=labels[m],
                     lw=1.6 if m.startswith("dlion") else 1.0)
     ax.set_xscale("log", base=2)
     ax.set_xticks(ns)
@@ -168,43 +221,65 @@ def figures(runs: list[dict], fig_dir: str) -> list[str]:
     ax.set_ylabel(("final " + ylabel) + " (mean ± std over seeds)")
     ax.set_title(f"{task}: final {'accuracy' if acc else 'validation loss'} vs N")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6 if many else 7, loc="center left" if many else "best",
+              bbox_to_anchor=(1.0, 0.5) if many else None)
     fig.tight_layout()
-    p = os.path.join(fig_dir, f"results_{task}_final_vs_N.png")
+    p = os.path.join(fig_dir, f"{name}_final_vs_N.png")
     fig.savefig(p, dpi=110)
     plt.close(fig)
     paths.append(p)
 
-    # 3. error vs bits per iteration
-    fig, axes = plt.subplots(1, len(ns), figsize=(4.2 * len(ns), 3.8), squeeze=False, sharey=True)
+    # 3. error vs bits sent per parameter per step (Fig. 4); one line per compressor's settings
+    fig, axes = plt.subplots(1, len(ns), figsize=(4.6 * len(ns) + 2.5, 4.0), squeeze=False, sharey=True)
+    lines = []
+    for m in methods:
+        if _line(m) not in lines:
+            lines.append(_line(m))
+    xs_all = [by[k]["bits"] for k in by if by[k]["bits"] > 0]
     for ax, n in zip(axes[0], ns):
-        for m in methods:
-            if (m, n) not in by:
+        for ln in lines:
+            b = _base(ln)
+            pts = sorted(((by[(m, n)]["bits"], by[(m, n)]["mean"], by[(m, n)]["std"], m) for m in methods
+                          if _line(m) == ln and (m, n) in by))
+            if not pts:
                 continue
-            r = by[(m, n)]
-            y = 100 * (1 - r["mean"]) if acc else r["mean"]
-            ax.errorbar([r["bits"]], [y], yerr=[scale * r["std"]], color=COLORS[m], marker=MARKERS[m],
-                        ms=9 if m == "dlion_mavo" else 7, capsize=3, ls="none", label=LABELS[m])
+            x = [q[0] for q in pts]
+            y = [100 * (1 - q[1]) if acc else q[1] for q in pts]
+            e = [scale * q[2] for q in pts]
+            legend = labels[pts[0][3]] if len(pts) == 1 else label(b) + (
+                " (pre-audit)" if "pre-audit" in labels[pts[0][3]] else "") + (
+                f", clip {dgc_clip(ln):g}" if ln != b else "")
+            ax.errorbar(x, y, yerr=e, color=COLORS[b], marker=MARKERS[b], ms=9 if b == "dlion_mavo" else 6,
+                        capsize=3, ls=("--" if ln != b else "-") if len(pts) > 1 else "none", lw=0.9,
+                        label=legend, mfc="none" if ln != b else None)
+            if len(pts) > 1:
+                for q, yy in zip(pts, y):
+                    arg = parse_method(q[3])[1]
+                    txt = f"r{arg}" if b.startswith("powersgd") else f"{100 * arg:g}%"
+                    ax.annotate(txt, (q[0], yy), fontsize=6, xytext=(3, 3), textcoords="offset points",
+                                color=COLORS[b])
         ax.set_xscale("log")
-        ax.set_xlim(1, 100)
-        ax.set_xticks([1, 2, 4, 8, 16, 32, 64])
-        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        if xs_all:
+            lo, hi = min(xs_all) / 1.6, max(xs_all) * 1.6
+            ax.set_xlim(lo, hi)
+            ax.set_xticks([t for t in (0.01, 0.03, 0.1, 0.3, 1, 2, 4, 8, 16, 32, 64) if lo <= t <= hi])
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.set_xlabel("bits per parameter per iteration (up + down)")
+        ax.set_xlabel("bits sent per parameter per step, per rank (counted)")
         ax.set_title(f"N = {n}")
         ax.grid(alpha=0.3, which="both")
     axes[0][0].set_ylabel("test error (%)" if acc else "validation loss")
-    axes[0][-1].legend(fontsize=7, loc="best")
+    axes[0][-1].legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.suptitle(f"{task}: {'test error' if acc else 'validation loss'} vs communication")
     fig.tight_layout()
-    p = os.path.join(fig_dir, f"results_{task}_vs_bits.png")
+    p = os.path.join(fig_dir, f"{name}_vs_bits.png")
     fig.savefig(p, dpi=110)
     plt.close(fig)
     paths.append(p)
     return paths
 
 
-def report(runs: list[dict], out_dir: str, fig_dir: str) -> list[str]:
+def report(runs: list[dict], out_dir: str, fig_dir: str, fig_name: str | None = None) -> list[str]:
     """Write summary.csv, summary.json and the figures; return the Markdown tables."""
     rows = summarize(runs)
     os.makedirs(out_dir, exist_ok=True)
@@ -214,5 +289,5 @@ def report(runs: list[dict], out_dir: str, fig_dir: str) -> list[str]:
         w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
         w.writeheader()
         w.writerows(rows)
-    paths = figures(runs, fig_dir)
+    paths = figures(runs, fig_dir, fig_name)
     return markdown_tables(rows) + [""] + [f"figure: {p}" for p in paths]

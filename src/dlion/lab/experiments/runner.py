@@ -1,44 +1,49 @@
 """Methods, one training run, tuning and resumable sweeps.
 
 A *method* turns the N workers' stacked gradients of one step into a parameter
-update and counts its communication in bits per parameter per iteration:
+update and counts its communication. A method is named by a *spec*: a base name,
+optionally with its compression parameter after a colon — ``dgc:0.01`` (density
+1 %), ``graddrop:0.001``, ``powersgd_lion:2`` (rank 2). Without one the default
+below is used.
 
-=================  ==========================================================  ===========================
-method             aggregation → update                                        bits / param / iteration
-=================  ==========================================================  ===========================
-``glion``          fp32 mean → Lion                                            32 + 32
-``gadamw``         fp32 mean → AdamW                                           32 + 32
-``terngrad``       TernGrad (shared scale, clip 2.5σ) → SGD, momentum 0.9      log2 3 + log2(2N+1) (+scales)
-``graddrop``       top-1 % of g + residual → AdamW                             64·k/d + 64·|∪|/d
-``dgc``            top-0.1 %, momentum correction, masking, warm-up → SGD      64·k/d + 64·|∪|/d
-``dlion_avg``      D-Lion, Δ = mean of signs                                   measured (≈ 1 + log2(N+1))
-``dlion_mavo``     D-Lion, Δ = sign(Σ signs) (majority vote)                   measured (≈ 1 + 1)
-``lioncub_quant``  Lion Cub: c quantised (L1 scale, 8-bit fields), Δ = sign Σq  measured
-``lioncub_msync``  Lion Cub: MaVo + fp32 momentum averaging every K = 32 steps  measured (≈ 2 + 64/K)
-=================  ==========================================================  ===========================
+==================  ==================================================================  =========================
+base                aggregation → update                                                default parameter
+==================  ==================================================================  =========================
+``glion``           fp32 mean → Lion
+``gadamw``          fp32 mean → AdamW
+``terngrad``        TernGrad (shared scale, clip 2.5σ) → SGD, momentum 0.9
+``graddrop``        top-ρ of g + residual, one threshold per worker → AdamW              density ρ = 1 %
+``dgc``             DGC (reference code: 1-D tensors dense, clipping, warm-ups) → DGCSGD  density ρ = 0.1 %
+``powersgd_lion``   PowerSGD (error feedback, warm start) → Lion                        rank 1
+``powersgd_adamw``  PowerSGD (error feedback, warm start) → AdamW                       rank 1
+``dlion_avg``       D-Lion, Δ = mean of signs
+``dlion_mavo``      D-Lion, Δ = sign(Σ signs) (majority vote)
+``lioncub_quant``   Lion Cub: c quantised (L1 scale, 8-bit fields), Δ = sign Σq
+``lioncub_msync``   Lion Cub: MaVo + fp32 momentum averaging every K = 32 steps
+==================  ==================================================================  =========================
 
-The D-Lion / Lion Cub methods run :class:`dlion.simulate.SimulatedDistributedLion`
-(the bitwise twin of the real distributed optimizer) with ``comm="1bit"`` (the 1-bit all-reduce: all-to-all + all-gather);
-their bits are measured from the wire formats: the bytes one rank *sends* per
-step through the collectives, ×8 / d. In an all-reduce every rank sends about
-what a parameter-server worker uploads plus downloads (an fp32 ring all-reduce
-sends 2·(N−1)/N·32 ≈ 64 bits), so this is the papers' "up + down". The
-baselines are counted in that parameter-server accounting by
-:mod:`dlion.lab.experiments.baselines`.
+**Bits, one axis for all:** every record's ``bits`` is what *one rank sends* per
+parameter per step (mean over the run) under the method's best collective —
+fp32 ring all-reduce 2·32·(N−1)/N for G-Lion / G-AdamW, the all-reduces of P and
+Q for PowerSGD, all-gathers of (value, index) pairs for the sparse methods, the
+1-bit all-reduce (all-to-all + all-gather) for D-Lion and Lion Cub. The baselines
+are counted by :mod:`dlion.lab.experiments.baselines` from their wire formats;
+D-Lion and Lion Cub are counted by :class:`dlion.simulate.SimulatedDistributedLion`
+from the bytes its simulated collectives carry (the real wire formats, headers
+included). Both are *counted*, not measured on a network. Records written
+before this axis was introduced (``bits_axis`` absent) are converted by
+:func:`common_bits`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 import time
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch import nn
 
 from dlion.lion import Lion
 from dlion.simulate import SimulatedDistributedLion
@@ -47,21 +52,132 @@ from . import baselines as B
 from .tasks import Task, make_task
 
 __all__ = ["METHODS", "LABELS", "GRIDS", "DEFAULTS", "make_method", "run_one", "run_key", "sweep", "tune",
-           "load_runs", "MOMENTUM_SYNC_K"]
+           "load_runs", "MOMENTUM_SYNC_K", "parse_method", "canonical", "label", "family", "common_bits",
+           "dgc_clip", "BITS_AXIS"]
 
 MOMENTUM_SYNC_K = 32
+BITS_AXIS = "per_rank_sent"
+IMPL = 2                   # 2: the audited baselines (DGC after its reference code, GradDrop global threshold)
 
-METHODS = ("glion", "gadamw", "terngrad", "graddrop", "dgc", "dlion_avg", "dlion_mavo",
-           "lioncub_quant", "lioncub_msync")
+METHODS = ("glion", "gadamw", "terngrad", "graddrop", "dgc", "powersgd_lion", "powersgd_adamw", "dlion_avg",
+           "dlion_mavo", "lioncub_quant", "lioncub_msync")
 
 LABELS = {
     "glion": "G-Lion", "gadamw": "G-AdamW", "terngrad": "TernGrad", "graddrop": "GradDrop", "dgc": "DGC",
+    "powersgd_lion": "PowerSGD + Lion", "powersgd_adamw": "PowerSGD + AdamW",
     "dlion_avg": "D-Lion Avg", "dlion_mavo": "D-Lion MaVo", "lioncub_quant": "Lion Cub quant (L1, 8b)",
     "lioncub_msync": f"Lion Cub MaVo+msync K={MOMENTUM_SYNC_K}",
 }
 
+# the compression parameter of a spec: (kind, default)
+PARAMS = {"graddrop": ("density", 0.01), "dgc": ("density", 0.001), "powersgd_lion": ("rank", 1),
+          "powersgd_adamw": ("rank", 1)}
+
 FAMILY = {"glion": "lion", "dlion_avg": "lion", "dlion_mavo": "lion", "lioncub_quant": "lion",
-          "lioncub_msync": "lion", "gadamw": "adamw", "graddrop": "adamw", "terngrad": "sgdm", "dgc": "sgdm"}
+          "lioncub_msync": "lion", "powersgd_lion": "lion", "gadamw": "adamw", "graddrop": "adamw",
+          "powersgd_adamw": "adamw", "terngrad": "sgdm", "dgc": "sgdm"}
+
+
+def parse_method(spec: str) -> tuple[str, Optional[float]]:
+    """``"dgc:0.01"`` → ("dgc", 0.01); ``"dgc"`` → ("dgc", 0.001) (the default); ``"glion"`` → ("glion", None).
+    DGC takes one more field, its local clipping threshold: ``"dgc:0.01:clip=1"`` (see :func:`dgc_clip`)."""
+    base, _, arg = spec.partition(":")
+    arg, _, extra = arg.partition(":")
+    if extra:
+        if base != "dgc":
+            raise ValueError(f"only dgc takes a third field (clip=C), got {spec!r}")
+        dgc_clip(spec)
+    if base not in METHODS:
+        raise ValueError(f"unknown method {base!r}; choose from {', '.join(METHODS)}")
+    if base not in PARAMS:
+        if arg:
+            raise ValueError(f"method {base!r} takes no parameter, got {spec!r}")
+        return base, None
+    kind, default = PARAMS[base]
+    if not arg:
+        return base, default
+    try:
+        value = float(arg)
+    except ValueError:
+        raise ValueError(f"bad {kind} in {spec!r}") from None
+    if kind == "rank":
+        if value != int(value) or value < 1:
+            raise ValueError(f"rank must be a positive integer, got {spec!r}")
+        return base, int(value)
+    if not 0 < value <= 1:
+        raise ValueError(f"density must be in (0, 1], got {spec!r}")
+    return base, value
+
+
+def dgc_clip(spec: str) -> Optional[float]:
+    """DGC's global clipping threshold C of a spec ``dgc:DENSITY:clip=C`` (each worker clips its
+    gradient to the L2 norm C/√N); None (no clipping, the reference code's default) without it."""
+    parts = spec.split(":")
+    if len(parts) < 3:
+        return None
+    key, _, value = parts[2].partition("=")
+    try:
+        clip = float(value)
+    except ValueError:
+        clip = -1.0
+    if key != "clip" or len(parts) > 3 or not clip > 0:
+        raise ValueError(f"DGC's third field must be clip=C with C > 0, got {spec!r}")
+    return clip
+
+
+def canonical(spec: str) -> str:
+    """The spec with its parameter written out: ``"dgc"`` → ``"dgc:0.001"``."""
+    base, arg = parse_method(spec)
+    if arg is None:
+        return base
+    clip = dgc_clip(spec) if base == "dgc" else None
+    return f"{base}:{arg:g}" + (f":clip={clip:g}" if clip is not None else "")
+
+
+def family(spec: str) -> str:
+    return FAMILY[parse_method(spec)[0]]
+
+
+def label(spec: str, legacy: bool = False) -> str:
+    """Legend text of a spec; ``legacy``: a record of the pre-audit DGC / GradDrop."""
+    base, arg = parse_method(spec)
+    text = LABELS[base]
+    if base in ("dgc", "graddrop") and ":" in spec:
+        text += f" {100 * arg:g} %"
+        if base == "dgc" and dgc_clip(spec) is not None:
+            text += f", clip {dgc_clip(spec):g}"
+    elif base.startswith("powersgd") and ":" in spec:
+        text = f"PowerSGD r={arg} + " + ("Lion" if base.endswith("lion") else "AdamW")
+    if legacy and base in ("dgc", "graddrop"):
+        text += " (pre-audit)"
+    return text
+
+
+def is_legacy(rec: dict) -> bool:
+    return rec.get("bits_axis") != BITS_AXIS
+
+
+def common_bits(rec: dict) -> float:
+    """Bits one rank sends per parameter per step, for any record. Records of the old
+    accounting (parameter-server up + down, no ``bits_axis``) are converted exactly from
+    their stored counts: G-Lion / G-AdamW → 64·(N−1)/N; GradDrop / DGC (which uploaded
+    64·k/d) → (N−1)·up (an all-gather); TernGrad (up = log2 3 + 32·T/d) → the
+    :class:`~dlion.lab.experiments.baselines.TernGrad` count; D-Lion / Lion Cub were
+    already bytes sent by one rank."""
+    if not is_legacy(rec):
+        return float(rec["bits"])
+    base = parse_method(rec["method"])[0]
+    N = rec["workers"]
+    if base in ("glion", "gadamw"):
+        return B.ring_allreduce_bits(1, 32, N)
+    if base in ("graddrop", "dgc"):
+        return min(B.allgather_bits(rec["bits_up"], N), B.ring_allreduce_bits(1, 32, N))
+    if base == "terngrad":
+        scales = rec["bits_up"] - math.log2(3)  # 32·T/d
+        onebit = B.alltoall_bits(B.TRIT_BITS, N) + B.alltoall_bits(B.bits_for(2 * N + 1), N)
+        return B.ring_allreduce_bits(scales / 32, 32, N) + min(onebit, B.allgather_bits(B.TRIT_BITS, N))
+    return float(rec["bits"])
+
 
 # Short per-family grids (lr × weight decay) searched by --tune at one N. To fit the
 # compute budget only the lr is searched; the weight decay is fixed per family.
@@ -87,41 +203,50 @@ BETAS = {"mnist1d": {"lion": (0.9, 0.99), "adamw": (0.9, 0.999)},
 class GlobalMethod:
     """An aggregator from :mod:`baselines` followed by a global optimizer."""
 
-    def __init__(self, name, params, world_size, hp, betas, seed, total_steps):
+    def __init__(self, spec, params, world_size, hp, betas, seed, total_steps):
         self.params = params
+        name, arg = parse_method(spec)
         shapes = [p.shape for p in params]
         lr, wd = hp["lr"], hp["weight_decay"]
+        self.base_lr = lr
+        self.step_count = 0
         if name in ("glion", "gadamw"):
             self.agg = B.MeanFP32(shapes, world_size)
         elif name == "terngrad":
             self.agg = B.TernGrad(shapes, world_size, seed=seed)
         elif name == "graddrop":
-            self.agg = B.GradDrop(shapes, world_size, density=0.01)
+            self.agg = B.GradDrop(shapes, world_size, density=arg)
         elif name == "dgc":
-            self.agg = B.DGC(shapes, world_size, density=0.001, momentum=0.9,
-                             warmup_steps=max(1, total_steps // 10))
+            self.agg = B.DGC(shapes, world_size, density=arg, momentum=0.9, warmup_steps=max(1, total_steps // 10),
+                             clip_norm=dgc_clip(spec))
+        elif name.startswith("powersgd"):
+            self.agg = B.PowerSGD(shapes, world_size, rank=arg, random_seed=seed)
         else:
-            raise ValueError(name)
-        if name == "glion":
+            raise ValueError(spec)
+        if name in ("glion", "powersgd_lion"):
             self.opt = Lion(params, lr=lr, betas=betas["lion"], weight_decay=wd)
-        elif name in ("gadamw", "graddrop"):
+        elif name in ("gadamw", "graddrop", "powersgd_adamw"):
             self.opt = torch.optim.AdamW(params, lr=lr, betas=betas["adamw"], weight_decay=wd)
         elif name == "terngrad":
             self.opt = torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=wd)
-        else:  # dgc: the momentum lives in the workers
-            self.opt = torch.optim.SGD(params, lr=lr, momentum=0.0, weight_decay=wd)
+        else:  # dgc: the momentum lives in the aggregator
+            self.opt = B.DGCSGD(params, lr=lr, momentum=0.9, weight_decay=wd)
 
     def step(self, grads):
         agg = self.agg(grads)
+        if isinstance(self.agg, B.DGC):
+            for group in self.opt.param_groups:
+                group["lr"] = self.base_lr * self.agg.lr_factor(self.step_count)
         for p, g in zip(self.params, agg):
             p.grad = g.to(p.dtype)
         self.opt.step()
         for p in self.params:
             p.grad = None
+        self.step_count += 1
 
     def bits(self) -> dict:
-        up, down = self.agg.bits.per_param_per_step()
-        return {"bits_up": up, "bits_down": down, "bits": up + down, "bits_source": "formula"}
+        return {"bits": self.agg.bits.per_param_per_step(), "bits_by_collective": self.agg.bits.breakdown(),
+                "bits_axis": BITS_AXIS, "bits_source": "counted (formula)"}
 
 
 class SimMethod:
@@ -149,14 +274,15 @@ class SimMethod:
         sent = 8.0 * cs.bytes_sent / (d * cs.steps) if cs.steps else 0.0
         return {"bits": sent, "bits_sent_plus_received": cs.bits_per_param_per_step(d),
                 "bits_by_kind": {k: 8.0 * v[0] / (d * cs.steps) for k, v in cs.by_kind.items()} if cs.steps else {},
-                "bits_source": "measured"}
+                "bits_axis": BITS_AXIS, "bits_source": "counted (wire format)"}
 
 
-def make_method(name, params, world_size, hp, task_name, seed, total_steps):
+def make_method(spec, params, world_size, hp, task_name, seed, total_steps):
     betas = BETAS[task_name]
+    name = parse_method(spec)[0]
     if name.startswith(("dlion", "lioncub")):
         return SimMethod(name, params, world_size, hp, betas, seed)
-    return GlobalMethod(name, params, world_size, hp, betas, seed, total_steps)
+    return GlobalMethod(spec, params, world_size, hp, betas, seed, total_steps)
 
 
 def total_steps(task: Task, world_size: int, budget: int) -> int:
@@ -171,6 +297,7 @@ def run_key(task: str, method: str, world_size: int, seed: int, budget: int, hp:
 def run_one(task_name: str, method: str, world_size: int, seed: int, budget: int, hp: dict,
             tune: bool = False) -> dict:
     """Train one model with ``world_size`` simulated workers; return the record."""
+    method = canonical(method)
     task = make_task(task_name, tune)
     model = task.make_model(seed)
     params = list(model.parameters())
@@ -203,7 +330,8 @@ def run_one(task_name: str, method: str, world_size: int, seed: int, budget: int
            "budget_unit": task.budget_unit, "steps": step, "local_batch": task.local_batch,
            "lr": hp["lr"], "weight_decay": hp["weight_decay"], "metric": task.metric,
            "final": final, "diverged": diverged, "curve": curve, "train_loss": train_loss,
-           "num_params": sum(p.numel() for p in params), "seconds": round(time.time() - t0, 2)}
+           "num_params": sum(p.numel() for p in params), "seconds": round(time.time() - t0, 2),
+           "impl": IMPL}
     rec.update(m.bits())
     return rec
 
@@ -245,10 +373,12 @@ def _append(path: str, rec: dict) -> None:
 
 
 def hparams_for(config: Optional[dict], task: str, method: str) -> dict:
-    if config and method in config.get("methods", {}):
-        c = config["methods"][method]
-        return {"lr": c["lr"], "weight_decay": c["weight_decay"]}
-    return dict(DEFAULTS[task][FAMILY[method]])
+    methods = (config or {}).get("methods", {})
+    for key in (method, canonical(method)):
+        if key in methods:
+            c = methods[key]
+            return {"lr": c["lr"], "weight_decay": c["weight_decay"]}
+    return dict(DEFAULTS[task][family(method)])
 
 
 def _progress(total, desc, quiet):
@@ -265,7 +395,7 @@ def sweep(task: str, methods, workers, seeds, budget: int, runs_path: str, confi
     jobs = []
     for seed in seeds:
         for n in workers:
-            for method in methods:
+            for method in map(canonical, methods):
                 hp = hparams_for(config, task, method)
                 jobs.append((method, n, seed, hp, run_key(task, method, n, seed, budget, hp)))
     todo = [j for j in jobs if j[4] not in done]
@@ -295,8 +425,9 @@ def tune(task: str, methods, world_size: int, seed: int, budget: int, runs_path:
     repair(runs_path)
     done = {r["key"]: r for r in load_runs(runs_path)}
     jobs = []
+    methods = [canonical(m) for m in methods]
     for method in methods:
-        g = GRIDS[task][FAMILY[method]]
+        g = GRIDS[task][family(method)]
         for lr, wd in product(g["lr"], g["weight_decay"]):
             hp = {"lr": lr, "weight_decay": wd}
             jobs.append((method, hp, run_key(task, method, world_size, seed, budget, hp, tune=True)))
@@ -325,7 +456,7 @@ def tune(task: str, methods, world_size: int, seed: int, budget: int, runs_path:
             rows.append({"lr": hp["lr"], "weight_decay": hp["weight_decay"], "score": score})
         ok = [r for r in rows if math.isfinite(r["score"])]
         best = (max if higher else min)(ok, key=lambda r: r["score"]) if ok else dict(
-            DEFAULTS[task][FAMILY[method]], score=float("nan"))
+            DEFAULTS[task][family(method)], score=float("nan"))
         config["methods"][method] = {"lr": best["lr"], "weight_decay": best["weight_decay"],
                                      "score": best["score"], "grid": rows}
     return config
