@@ -96,7 +96,7 @@ import shutil
 import tempfile
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -204,14 +204,7 @@ def _write_atomic(path: str, payload: dict) -> None:
         except FileNotFoundError:
             pass
         raise
-    try:  # make the rename itself durable
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
+    _fsync_dir(directory)  # make the rename itself durable
 
 
 def _file_mode(path: str) -> int:
@@ -341,16 +334,7 @@ def save(path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     if sharded:
         return _save_sharded(path, model, optimizer, step, extra, verify_replicas, group)
     distributed, rank, world = _group_info(group)
-    error = None
-    try:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        path = os.fspath(path)
-        if rank == 0:  # only rank 0 writes; the others may not even see that directory
-            _check_save_path(path)
-            _check_loadable(extra, "extra")
-    except Exception as e:
-        error = e
+    path, error = _checked_save_args(model, path, extra, rank, _check_save_path)
     mine = None
     if error is None:
         mine = {
@@ -797,7 +781,24 @@ def _check_dir_path(path: str) -> None:
                                   f"of a DCP checkpoint ({', '.join(map(repr, sorted(other)[:3]))}).")
 
 
+def _checked_save_args(model, path, extra, rank: int, check_path: Callable[[str], Any]):
+    """(the path as a string, None) after the checks a save makes before anything is written (the
+    path and ``extra`` on rank 0 only: the others may not even see that directory), or (path, the
+    error): every rank must learn of it before anyone raises."""
+    try:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        path = os.fspath(path)
+        if rank == 0:
+            check_path(path)
+            _check_loadable(extra, "extra")
+    except Exception as e:
+        return path, e
+    return path, None
+
+
 def _fsync_dir(directory: str) -> None:
+    """fsync a directory (makes a rename in it durable); best effort where the OS refuses."""
     try:
         dfd = os.open(directory, os.O_RDONLY)
         try:
@@ -812,16 +813,7 @@ def _save_sharded(path, model: nn.Module, optimizer, step, extra, verify_replica
     import torch.distributed.checkpoint as dcp
 
     distributed, rank, world = _group_info(group)
-    error = None
-    try:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        path = os.fspath(path)
-        if rank == 0:
-            _check_dir_path(path)
-            _check_loadable(extra, "extra")
-    except Exception as e:
-        error = e
+    path, error = _checked_save_args(model, path, extra, rank, _check_dir_path)
     digests = None
     if error is None and verify_replicas and distributed and world > 1:
         digests = [(name, _tensor_digest(t.detach())) for name, t in model.named_parameters()]

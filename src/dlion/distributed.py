@@ -52,7 +52,8 @@ from .collectives import CommStats, GroupTransport
 from .lion import Lion, param_tensors, check_grad
 from .quantize import NORMS, levels
 
-__all__ = ["DistributedLion", "DesyncError", "momentum_sync_due", "Flight", "reject_unsupported", "bits_checksum"]
+__all__ = ["DistributedLion", "DesyncError", "momentum_sync_due", "Flight", "reject_unsupported", "bits_checksum",
+           "average_momenta", "checksum_table", "raise_if_diverged"]
 
 AGGREGATES = ("sign", "quantized")
 NONFINITE_POLICIES = ("skip", "raise")
@@ -186,9 +187,7 @@ class DistributedLion(Lion):
         self.rule = VoteRule(vote, world, ties=ties, seed=seed)
         check_options(comm, aggregate, vote, quant_norm, quant_bits, momentum_sync, bucket_cap_mb,
                       check_every, nonfinite, sign_hook)
-        self._ready = False
-        params = list(params)
-        reject_unsupported(params)
+        params = reject_unsupported(params)
         super().__init__(params, lr, betas, weight_decay, maximize=maximize, foreach=foreach,
                          momentum_dtype=momentum_dtype)
         self.process_group = process_group
@@ -244,6 +243,12 @@ class DistributedLion(Lion):
     def _count_step(self) -> None:
         self.step_count += 1
         self.comm_stats.steps += 1
+
+    def _local_step(self, closure):
+        """World size 1: exactly :class:`dlion.Lion`'s step, counted."""
+        loss = Lion.step(self, closure)
+        self._count_step()
+        return loss
 
     def _algorithm_for(self, b: Bucket):
         if self.aggregate == "quantized":
@@ -396,13 +401,8 @@ class DistributedLion(Lion):
                     "DistributedLion was built before torch.distributed.init_process_group(), so it is plain Lion "
                     f"on one rank, but the process group now has {dist.get_world_size(self.process_group)} ranks: "
                     "their replicas would diverge. Build the optimizer after init_process_group().")
-            loss = super().step(closure)
-            self._count_step()
-            return loss
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+            return self._local_step(closure)
+        loss = self._evaluate(closure)
         self._check_frozen()
         step_no = self.step_count
         if self._step is not None and self._step.stale:
@@ -561,15 +561,7 @@ class DistributedLion(Lion):
         Costs 2·(N−1)/N·32 bits per trainable parameter each way when it runs."""
         if self.world_size == 1:
             return
-        works = []
-        for buf in self._buffers:
-            flat = buf.momentum.float()
-            works.append((self._first.issue("all_reduce", flat, "momentum_sync"), buf))
-        for (work, flat), buf in works:
-            work.wait()
-            flat.div_(self.world_size)
-            if flat.data_ptr() != buf.momentum.data_ptr():
-                buf.momentum.copy_(flat)
+        average_momenta(self._buffers, self._first, self.world_size)
 
     @torch.no_grad()
     def check_replicas(self) -> None:
@@ -578,17 +570,9 @@ class DistributedLion(Lion):
         parameter per rank through an all-gather)."""
         if self.world_size == 1:
             return
-        device = self._params[0].device  # NCCL only gathers device tensors
-        mine = torch.stack([bits_checksum(p) for p in self._params]).view(torch.int32).reshape(-1).to(device)
-        work, everyone = self._first.issue("all_gather", mine, "check")
+        work, everyone = self._first.issue("all_gather", checksum_table(self._params), "check")
         work.wait()
-        table = everyone.cpu().view(self.world_size, len(self._params), 4)
-        for i, p in enumerate(self._params):
-            for r in range(1, self.world_size):
-                if not torch.equal(table[r, i], table[0, i]):
-                    raise DesyncError(
-                        f"DistributedLion: parameter {i} (shape {tuple(p.shape)}) differs between rank 0 and "
-                        f"rank {r} after step {self.step_count}; replicas have diverged.")
+        raise_if_diverged(everyone, self._params, self.world_size, "DistributedLion", self.step_count)
 
     # -- overlap with backward ---------------------------------------------------
     def _register_hooks(self) -> None:
@@ -698,8 +682,10 @@ def check_options(comm, aggregate, vote, quant_norm, quant_bits, momentum_sync, 
         raise ValueError(f"Unknown nonfinite {nonfinite!r}; choose one of {', '.join(map(repr, NONFINITE_POLICIES))}.")
 
 
-def reject_unsupported(params: list) -> None:
-    """Meta tensors and DTensors cannot be replicated by a broadcast; say so at construction."""
+def reject_unsupported(params: Iterable) -> list:
+    """``params`` as a list, after checking that it holds no meta tensor or DTensor: those cannot
+    be replicated by a broadcast; say so at construction."""
+    params = list(params)
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # older torch
@@ -715,6 +701,7 @@ def reject_unsupported(params: list) -> None:
                 f"DistributedLion: parameter {i} (shape {tuple(p.shape)}) is on the meta device (no data). "
                 "Materialise the model first (e.g. model.to_empty(device=...) and initialise it), then build the "
                 "optimizer.")
+    return params
 
 
 def _checked_hook_output(out, n: int) -> Tensor:
@@ -741,6 +728,38 @@ def _scatter_flat(flat: Tensor, tensors: list[Tensor]) -> None:
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@torch.no_grad()
+def average_momenta(buffers: list, transport: GroupTransport, count: int) -> None:
+    """Every rank's flat momenta (``buffers[k].momentum``) become their fp32 mean over the
+    transport's group of ``count`` ranks: one all-reduce per bucket, all in flight at once."""
+    works = []
+    for buf in buffers:
+        flat = buf.momentum.float()
+        works.append((transport.issue("all_reduce", flat, "momentum_sync"), buf))
+    for (work, flat), buf in works:
+        work.wait()
+        flat.div_(count)
+        if flat.data_ptr() != buf.momentum.data_ptr():
+            buf.momentum.copy_(flat)
+
+
+def checksum_table(params: list[Tensor]) -> Tensor:
+    """This rank's row for a replica check: two 64-bit checksums per parameter, as int32 words,
+    on the parameters' device (NCCL only gathers device tensors)."""
+    return torch.stack([bits_checksum(p) for p in params]).view(torch.int32).reshape(-1).to(params[0].device)
+
+
+def raise_if_diverged(gathered: Tensor, params: list[Tensor], world: int, who: str, step: int) -> None:
+    """Raise :class:`DesyncError` naming the first parameter whose checksums differ between
+    rank 0 and another rank, given every rank's :func:`checksum_table` row gathered."""
+    table = gathered.cpu().view(world, len(params), 4)
+    for i, p in enumerate(params):
+        for r in range(1, world):
+            if not torch.equal(table[r, i], table[0, i]):
+                raise DesyncError(f"{who}: parameter {i} (shape {tuple(p.shape)}) differs between rank 0 and "
+                                  f"rank {r} after step {step}; replicas have diverged.")
 
 
 def bits_checksum(p: Tensor) -> Tensor:

@@ -43,8 +43,8 @@ from .aggregation import VoteRule, coin_key
 from .algorithms import BAD, NONFINITE, Contribution, Outcome, WireState, choose_algorithm, make_algorithm
 from .buckets import Bucket, RankBuffers, Scratch, apply_scaled_delta, contribute, layout_buckets, update_momentum
 from .collectives import CommStats, GroupTransport
-from .distributed import (DesyncError, Flight, bits_checksum, check_options, momentum_sync_due,
-                          reject_unsupported)
+from .distributed import (DesyncError, Flight, average_momenta, check_options, checksum_table, momentum_sync_due,
+                          raise_if_diverged, reject_unsupported)
 from .lion import Lion, check_grad
 from .quantize import levels
 
@@ -133,11 +133,7 @@ class HierarchicalDistributedLion(Lion):
     """
 
     def __init__(
-        self,
-        params: Iterable,
-        lr: float = 1e-4,
-        betas: tuple[float, float] = (0.9, 0.99),
-        weight_decay: float = 0.0,
+        self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0,
         *,
         mesh=None,
         vote: str = "mavo",
@@ -157,9 +153,7 @@ class HierarchicalDistributedLion(Lion):
     ):
         check_options(comm, aggregate, vote, quant_norm, quant_bits, momentum_sync, bucket_cap_mb,
                       check_every, nonfinite, None)
-        self._ready = False
-        params = list(params)
-        reject_unsupported(params)
+        params = reject_unsupported(params)
         super().__init__(params, lr, betas, weight_decay, maximize=maximize, foreach=foreach,
                          momentum_dtype=momentum_dtype)
         self._params = [p for g in self.param_groups for p in g["params"]]
@@ -325,13 +319,8 @@ class HierarchicalDistributedLion(Lion):
             raise RuntimeError("HierarchicalDistributedLion does not support torch.amp.GradScaler; train in bf16 "
                                "autocast (no scaler) or use dlion.DistributedLion.")
         if self.world_size == 1:
-            loss = super().step(closure)
-            self._count_step()
-            return loss
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+            return self._local_step(closure)
+        loss = self._evaluate(closure)
         self._check_frozen()
         step_no = self.step_count
         L = self.local_world_size
@@ -447,6 +436,12 @@ class HierarchicalDistributedLion(Lion):
         self.comm_stats.steps += 1
         self.local_stats.steps += 1
 
+    def _local_step(self, closure):
+        """World size 1: exactly :class:`dlion.Lion`'s step, counted."""
+        loss = Lion.step(self, closure)
+        self._count_step()
+        return loss
+
     def _finish(self, step_no: int, flights: list, rows: list, presents: list, errors: list) -> None:
         self.comm_stats.wait_s += sum(f.waited for f in flights)
         tallies = [f.outcome.tally for f in flights if f.outcome.tally is not None]
@@ -522,34 +517,19 @@ class HierarchicalDistributedLion(Lion):
         the nodes (L all-reduces in parallel, one per local rank)."""
         if self.world_size == 1 or self.num_nodes == 1:
             return
-        works = []
-        for buf in self._sbufs:
-            flat = buf.momentum.float()
-            works.append((self._inter.issue("all_reduce", flat, "momentum_sync"), buf))
-        for (work, flat), buf in works:
-            work.wait()
-            flat.div_(self.num_nodes)
-            if flat.data_ptr() != buf.momentum.data_ptr():
-                buf.momentum.copy_(flat)
+        average_momenta(self._sbufs, self._inter, self.num_nodes)
 
     @torch.no_grad()
     def check_replicas(self) -> None:
         """Raise :class:`dlion.DesyncError` unless every parameter is bitwise identical on all ranks."""
         if self.world_size == 1:
             return
-        device = self._params[0].device
-        mine = torch.stack([bits_checksum(p) for p in self._params]).view(torch.int32).reshape(-1).to(device)
+        mine = checksum_table(self._params)
         work, node = self._local.issue("all_gather", mine, "check") if self.local_world_size > 1 else (_Done, mine)
         work.wait()
         work, everyone = self._inter.issue("all_gather", node, "check") if self.num_nodes > 1 else (_Done, node)
         work.wait()
-        table = everyone.cpu().view(self.world_size, len(self._params), 4)
-        for i, p in enumerate(self._params):
-            for r in range(1, self.world_size):
-                if not torch.equal(table[r, i], table[0, i]):
-                    raise DesyncError(
-                        f"HierarchicalDistributedLion: parameter {i} (shape {tuple(p.shape)}) differs between rank 0 "
-                        f"and rank {r} after step {self.step_count}; replicas have diverged.")
+        raise_if_diverged(everyone, self._params, self.world_size, "HierarchicalDistributedLion", self.step_count)
 
     # -- checkpointing ----------------------------------------------------------
     def state_dict(self) -> dict:

@@ -198,12 +198,17 @@ class Lion(torch.optim.Optimizer):
             ms.append(state["exp_avg"])
         return ps, gs, ms
 
+    @staticmethod
+    def _evaluate(closure: Optional[Callable[[], float]]):
+        """The closure's loss, computed with gradients enabled (``step`` runs under no_grad); None without one."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._evaluate(closure)
         # Validate every gradient before touching anything: a bad one changes nothing.
         for i, p in enumerate(p for g in self.param_groups for p in g["params"]):
             check_grad(i, p)

@@ -920,6 +920,25 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def resolve_workers(parser, args, *, default: int, minimum: int) -> int:
+    """The number of ranks from ``--workers`` and/or ``--nodes``/``--per-node`` (which must agree),
+    or ``default``; a usage error through ``parser`` otherwise."""
+    if (args.nodes is None) != (args.per_node is None):
+        parser.error("--nodes and --per-node go together")
+    workers = args.workers
+    if args.nodes is not None:
+        if args.nodes < 1 or args.per_node < 1:
+            parser.error("--nodes and --per-node must be >= 1")
+        if workers is not None and workers != args.nodes * args.per_node:
+            parser.error(f"--workers {workers} != --nodes {args.nodes} × --per-node {args.per_node}")
+        workers = args.nodes * args.per_node
+    elif workers is None:
+        workers = default
+    if workers < minimum:
+        parser.error(f"--workers must be >= {minimum}")
+    return workers
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # Everything after the first "--" belongs to COMMAND, even things that look like options.
@@ -939,18 +958,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 0
         if not command:
             parser.error("no COMMAND given (put it after --)")
-        if (args.nodes is None) != (args.per_node is None):
-            parser.error("--nodes and --per-node go together")
-        if args.nodes is not None:
-            if args.nodes < 1 or args.per_node < 1:
-                parser.error("--nodes and --per-node must be >= 1")
-            if args.workers is not None and args.workers != args.nodes * args.per_node:
-                parser.error(f"--workers {args.workers} != --nodes {args.nodes} × --per-node {args.per_node}")
-            args.workers = args.nodes * args.per_node
-        elif args.workers is None:
-            args.workers = 2
-        if args.workers < 1:
-            parser.error("--workers must be >= 1")
+        args.workers = resolve_workers(parser, args, default=2, minimum=1)
         cluster = VirtualCluster(args.workers, args.link, prefix=args.prefix, burst=args.burst,
                                  latency=args.latency, master_port=args.master_port, nodes=args.nodes,
                                  intra_link=args.intra_link)

@@ -46,12 +46,16 @@ from ..models import CNN1D, CharGPT, DigitsCNN
 __all__ = ["TASKS", "Task", "ImageTask", "ShakespeareTask", "make_task"]
 
 
+@dataclass
 class Task:
     name: str = ""
+    tune: bool = False        # held-out part of the training data instead of the test/validation set
     metric: str = ""          # the reported metric
     higher_is_better: bool = True
-    budget_unit: str = ""     # "epochs" or "steps"
+    budget_unit: str = "steps"
     local_batch: int = 32
+    num_evals: int = 10
+    data: tuple = field(default=None, repr=False)
 
     def make_model(self, seed: int) -> nn.Module:
         raise NotImplementedError
@@ -62,7 +66,12 @@ class Task:
         raise NotImplementedError
 
     def eval_points(self, budget: int, world_size: int) -> list[float]:
-        raise NotImplementedError
+        """``num_evals`` evenly spaced steps, the last one included."""
+        every = max(1, budget // self.num_evals)
+        pts = list(range(every, budget + 1, every))
+        if pts[-1] != budget:
+            pts.append(budget)
+        return [float(p) for p in pts]
 
     def per_worker_grads(self, model: nn.Module, x: Tensor, y: Tensor) -> tuple[list[Tensor], float]:
         """Stacked gradients [(N, *p.shape) per parameter] and the mean training loss."""
@@ -100,13 +109,8 @@ def _params(model: nn.Module) -> dict[str, Tensor]:
 @dataclass
 class ImageTask(Task):
     name: str = "mnist1d"
-    tune: bool = False
     metric: str = "test_accuracy"
-    higher_is_better: bool = True
-    budget_unit: str = "steps"
-    local_batch: int = 32
     num_evals: int = 12
-    data: tuple = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.name == "mnist1d":
@@ -150,13 +154,6 @@ class ImageTask(Task):
         """Samples seen after ``step`` steps, in training-set passes."""
         return step * world_size * self.local_batch / self.data[0].shape[0]
 
-    def eval_points(self, budget, world_size):
-        every = max(1, budget // self.num_evals)
-        pts = list(range(every, budget + 1, every))
-        if pts[-1] != budget:
-            pts.append(budget)
-        return [float(p) for p in pts]
-
     def per_worker_grads(self, model, x, y):
         params = _params(model)
 
@@ -176,10 +173,8 @@ class ImageTask(Task):
 @dataclass
 class ShakespeareTask(Task):
     name: str = "shakespeare"
-    tune: bool = False
     metric: str = "val_loss"
     higher_is_better: bool = False
-    budget_unit: str = "steps"
     local_batch: int = 4
     block_size: int = 32
     n_layer: int = 2
@@ -187,8 +182,6 @@ class ShakespeareTask(Task):
     n_embd: int = 32
     chunk: int = 4096
     eval_windows: int = 128
-    num_evals: int = 10
-    data: tuple = field(default=None, repr=False)
 
     def __post_init__(self):
         train, val, vocab = load_shakespeare()
@@ -218,13 +211,6 @@ class ShakespeareTask(Task):
             xs, ys = zip(*(char_batches(s, self.block_size, self.local_batch, generator=g)
                            for s, g in zip(streams, gens)))
             yield torch.stack(xs), torch.stack(ys), float(step + 1)
-
-    def eval_points(self, budget, world_size):
-        every = max(1, budget // self.num_evals)
-        pts = list(range(every, budget + 1, every))
-        if pts[-1] != budget:
-            pts.append(budget)
-        return [float(p) for p in pts]
 
     def epoch_of(self, step: float, world_size: int) -> float:
         return step

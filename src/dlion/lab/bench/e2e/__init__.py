@@ -141,18 +141,9 @@ def main(argv: list[str]) -> int:
                 print(f"link {link}: overlap with backward (step − compute-only = communication left exposed):")
                 print("\n".join(lines))
         return 0
-    if (args.nodes is None) != (args.per_node is None):
-        ap.error("--nodes and --per-node go together")
-    if args.nodes is not None:
-        if args.nodes < 1 or args.per_node < 1:
-            ap.error("--nodes and --per-node must be >= 1")
-        if args.workers is not None and args.workers != args.nodes * args.per_node:
-            ap.error(f"--workers {args.workers} != --nodes {args.nodes} × --per-node {args.per_node}")
-        args.workers = args.nodes * args.per_node
-    elif args.workers is None:
-        args.workers = 4
-    if args.workers < 2:
-        ap.error("--workers must be >= 2")
+    from dlion.lab.cluster import resolve_workers
+
+    args.workers = resolve_workers(ap, args, default=4, minimum=2)
     if args.steps < 1 or args.warmup < 0:
         ap.error("--steps must be >= 1 and --warmup >= 0")
     try:
