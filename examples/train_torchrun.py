@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import dlion
+from dlion.integrations import CommMeter
 from dlion.lab.data import load_digits_split, shard
 from dlion.lab.models import DigitsCNN
 
@@ -32,6 +33,8 @@ ap.add_argument("--lr", type=float, default=3e-3)
 ap.add_argument("--weight-decay", type=float, default=0.1)
 ap.add_argument("--vote", choices=("mavo", "avg"), default="mavo")
 ap.add_argument("--seed", type=int, default=0)
+ap.add_argument("--tensorboard", default=None, metavar="DIR",
+                help="rank 0 logs loss and the communication figures per epoch to TensorBoard in DIR")
 args = ap.parse_args()
 
 # -----------------------------------------------------------------------------
@@ -64,6 +67,15 @@ if master:
     print(f"{world} rank(s), backend {backend if ddp else 'none'}, device {device.type}, "
           f"{opt.num_params:,} parameters, vote={args.vote}")
 
+# per-epoch communication figures (bytes, bits per parameter, time blocked on collectives,
+# unanimous / tied votes) from opt.comm_stats, written to TensorBoard by rank 0
+meter = CommMeter(opt)
+writer = None
+if master and args.tensorboard:
+    from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+
+    writer = SummaryWriter(args.tensorboard)
+
 # -----------------------------------------------------------------------------
 # training loop
 steps_per_epoch = x_train.shape[0] // world // args.batch_size
@@ -76,8 +88,13 @@ for epoch in range(args.epochs):
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()  # local Lion sign -> vote across ranks -> same update everywhere
+    figures = meter.read()
     if master:
         print(f"epoch {epoch + 1}/{args.epochs}  loss (rank 0's last batch) {loss.item():.4f}")
+        if writer is not None:
+            writer.add_scalar("train/loss", loss.item(), epoch + 1)
+            for name, value in figures.items():
+                writer.add_scalar(name, value, epoch + 1)
 
 # -----------------------------------------------------------------------------
 # evaluation on rank 0 (all ranks hold the same parameters)
@@ -89,5 +106,7 @@ if master:
         acc = (model(x_test).argmax(1) == y_test).float().mean().item()
     print(f"test accuracy {100 * acc:.1f} %  |  {time.time() - t0:.1f} s  |  rank 0 sent + received "
           f"{bits:.2f} bits per parameter per step (an fp32 gradient all-reduce: {128 * (world - 1) / world:.0f})")
+if writer is not None:
+    writer.close()
 if ddp:
     dist.destroy_process_group()

@@ -54,3 +54,19 @@ def test_lightning_example(tmp_path):
     assert "'comm/steps': 10.0" in out, out[-2000:]
     saved = torch.load(tmp_path / "out" / "ckpt" / "last.ckpt", weights_only=False)
     assert saved["global_step"] == 10 and len(saved["dlion"]["optimizer_states"]) == 2
+
+
+def test_plain_loop_example_logs_the_comm_figures_to_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = run(torchrun("train_torchrun.py", "--epochs", "2", "--tensorboard", "tb"), tmp_path)
+    assert "test accuracy" in out, out[-2000:]
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "comm/bits_per_param_per_step", "comm/wait_ms_per_step", "comm/vote_unanimous_fraction",
+            "comm/vote_tied_fraction", "comm/steps"} <= tags
+    assert [e.step for e in acc.Scalars("comm/steps")] == [1, 2]
+    bits = [e.value for e in acc.Scalars("comm/bits_per_param_per_step")]
+    assert all(0 < b < 6 for b in bits)  # about 2 bits sent + received at N = 2, far below fp32's 64
+    assert all(0 <= e.value <= 1 for e in acc.Scalars("comm/vote_unanimous_fraction"))
