@@ -64,6 +64,21 @@ def processes_with(marker: str) -> list[int]:
     return pids
 
 
+def ranks_with(marker: str) -> list[int]:
+    """The rank processes themselves (``sleep MARKER``), not the launcher whose command line
+    also holds the marker."""
+    pids = []
+    for pid in processes_with(marker):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().rstrip(b"\0").split(b"\0")
+        except OSError:
+            continue
+        if len(argv) == 2 and os.path.basename(argv[0]) == b"sleep" and argv[1] == marker.encode():
+            pids.append(pid)
+    return pids
+
+
 # --------------------------------------------------------------------------- no root needed
 
 
@@ -219,7 +234,8 @@ def test_teardown_after_sigint_to_cli_process():
     )
     try:
         deadline = time.monotonic() + 30
-        while len(processes_with(marker)) < 2:  # both ranks are running
+        while len(ranks_with(marker)) < 2:  # both ranks are running (the launcher's own command line
+            #                                   also holds the marker: counting it raced the set-up)
             assert proc.poll() is None, proc.communicate()[0]
             assert time.monotonic() < deadline, "cluster did not start"
             time.sleep(0.05)
