@@ -426,3 +426,28 @@ def test_hierarchical_training_on_two_virtual_nodes(tmp_path):
     for r, res in enumerate(ranks):
         assert (res["node"], res["local_rank"]) == (r // 2, r % 2) and res["steps"] == 4
         assert res["checksum"] == ranks[0]["checksum"]
+
+
+@needs_netns
+def test_two_torchrun_nodes_in_network_namespaces(tmp_path):
+    """The multi-node launch of the docs, one torchrun agent per network namespace: two
+    "machines" joined by a shaped link, each agent starting 2 ranks of the hierarchical example
+    (c10d rendezvous hosted by node 0, each node advertising its own address)."""
+    import json
+    from pathlib import Path
+    example = Path(__file__).resolve().parents[1] / "examples" / "train_hierarchical.py"
+    prefix = unique_prefix("tr")
+    with VirtualCluster(2, link="200mbit", prefix=prefix) as c:
+        def agent(node):
+            return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{c.master_addr}:29533",
+                    "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", c.addresses[node],
+                    "--node-rank", str(node), str(example), "--steps", "4", "--out", str(tmp_path)]
+        results = c.run(agent, env={"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}, timeout=240)
+    assert leftovers(prefix) == []
+    assert all(r.ok for r in results), "\n".join(r.stdout[-2000:] + r.stderr[-2000:] for r in results)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    for r, res in enumerate(ranks):
+        assert res["world"] == 4 and res["steps"] == 4
+        assert res["node"] == res["group_rank"] == r // 2 and res["local_rank"] == r % 2
+        assert res["checksum"] == ranks[0]["checksum"]
