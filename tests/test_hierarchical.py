@@ -437,3 +437,43 @@ def test_bad_inputs_on_one_rank_stop_or_skip_every_rank_and_change_nothing():
         else:
             assert kind == "RuntimeError" and "another rank rejected its gradients" in msg
         assert "parameter 5 (shape (50,)) differs between rank 0 and rank 2 after step 2" in res["desync"]
+
+
+def checkpoint_files_worker(rank, world, path, sharded):
+    from torch import nn
+
+    from dlion import checkpoint
+    mesh = make_mesh((2, 2))
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+        return model, _hier(model.parameters(), mesh, ties="random")
+
+    def train(model, opt, steps):
+        g = torch.Generator().manual_seed(100 + rank)
+        for t in range(steps[-1] + 1):
+            x = torch.randn(8, 6, generator=g)
+            if t in steps:
+                opt.zero_grad()
+                model(x).pow(2).mean().backward()
+                opt.step()
+
+    model, opt = build()
+    train(model, opt, range(3))
+    checkpoint.save(path, model, opt, sharded=sharded)
+    train(model, opt, range(3, 6))
+    straight = [p.detach().clone() for p in model.parameters()]
+    model2, opt2 = build()
+    checkpoint.load(path, model2, opt2)
+    train(model2, opt2, range(3, 6))
+    return straight, [p.detach().clone() for p in model2.parameters()], opt2.step_count
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_dlion_checkpoint_files_resume_the_hierarchical_optimizer_bitwise(tmp_path, sharded):
+    path = str(tmp_path / ("ckpt" if sharded else "ckpt.pt"))
+    results = spawn(checkpoint_files_worker, 4, path, sharded, timeout_s=300)
+    for straight, resumed, steps in results:
+        assert steps == 6
+        assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
