@@ -477,3 +477,25 @@ def test_dlion_checkpoint_files_resume_the_hierarchical_optimizer_bitwise(tmp_pa
     for straight, resumed, steps in results:
         assert steps == 6
         assert all(torch.equal(a, b) for a, b in zip(straight, resumed))
+
+
+def resize_worker(rank, world, path):
+    from torch import nn
+
+    from dlion import checkpoint
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    opt = _hier(model.parameters(), make_mesh((1, 2)))
+    try:
+        checkpoint.load(path, model, opt)
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def test_a_hierarchical_checkpoint_on_another_mesh_is_refused(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    spawn(checkpoint_files_worker, 4, path, False, timeout_s=300)  # saved by 2 × 2 ranks
+    for err in spawn(resize_worker, 2, path, timeout_s=120):        # loaded by 1 × 2
+        assert err is not None, "a 2 x 2 hierarchical checkpoint was loaded on a 1 x 2 mesh"
+        assert "cannot be re-cut" in err[1] or "mesh" in err[1], err
