@@ -79,6 +79,9 @@ def main(argv=None) -> int:
     restart = init_process_group(args.backend, timedelta(seconds=args.timeout))
     try:
         train(args, restart)
+        # Leave together: rank 0 evaluates after the last collective, and a peer that has
+        # already exited can make Gloo's teardown abort ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     return 0

@@ -91,4 +91,5 @@ if args.out:
                        inter_bits_per_param_step=between,
                        local_bytes=opt.local_stats.bytes_sent, momentum_numel=opt.momentum_numel,
                        num_params=opt.num_params), f)
+dist.barrier()  # leave together: a peer that has exited can make Gloo's teardown abort
 dist.destroy_process_group()

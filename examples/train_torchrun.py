@@ -109,4 +109,5 @@ if master:
 if writer is not None:
     writer.close()
 if ddp:
+    dist.barrier()  # leave together (rank 0 evaluated after the last collective)
     dist.destroy_process_group()
