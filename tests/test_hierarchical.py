@@ -26,17 +26,22 @@ def make_mesh(shape):
     return init_device_mesh("cpu", shape, mesh_dim_names=("node", "local"))
 
 
+def hier_from_cfg(params, mesh, cfg):
+    """The hierarchical optimizer with a test config's options (the keys conftest.configs_worker reads)."""
+    return dlion.HierarchicalDistributedLion(
+        params, lr=LR, betas=BETAS, weight_decay=WD, mesh=mesh, vote=cfg["vote"], ties=cfg.get("ties", "zero"),
+        comm=cfg.get("comm", "1bit"), momentum_sync=cfg.get("momentum_sync", "none"),
+        aggregate=cfg.get("aggregate", "sign"), quant_norm=cfg.get("quant_norm", "l1"),
+        quant_bits=cfg.get("quant_bits", 8), bucket_cap_mb=cfg.get("bucket_cap_mb", 25.0), seed=5,
+        momentum_dtype=cfg.get("momentum_dtype"))
+
+
 def hier_worker(rank, world, shape, configs):
     mesh = make_mesh(shape)
     out = []
     for cfg in configs:
         params = [p.requires_grad_() for p in init_params(rank)]
-        opt = dlion.HierarchicalDistributedLion(
-            params, lr=LR, betas=BETAS, weight_decay=WD, mesh=mesh, vote=cfg["vote"], ties=cfg.get("ties", "zero"),
-            comm=cfg.get("comm", "1bit"), momentum_sync=cfg.get("momentum_sync", "none"),
-            aggregate=cfg.get("aggregate", "sign"), quant_norm=cfg.get("quant_norm", "l1"),
-            quant_bits=cfg.get("quant_bits", 8), bucket_cap_mb=cfg.get("bucket_cap_mb", 25.0), seed=5,
-            momentum_dtype=cfg.get("momentum_dtype"))
+        opt = hier_from_cfg(params, mesh, cfg)
         history = []
         for t in range(STEPS):
             for p, g in zip(params, grads_for(rank, t, cfg.get("dense", False))):
@@ -171,11 +176,7 @@ def flat_worker(rank, world, configs):
     out = []
     for cfg in configs:
         params = [p.requires_grad_() for p in init_params(rank)]
-        opt = dlion.HierarchicalDistributedLion(
-            params, lr=LR, betas=BETAS, weight_decay=WD, mesh=mesh, vote=cfg["vote"], ties=cfg.get("ties", "zero"),
-            comm=cfg.get("comm", "1bit"), momentum_sync=cfg.get("momentum_sync", "none"),
-            aggregate=cfg.get("aggregate", "sign"), quant_bits=cfg.get("quant_bits", 8),
-            bucket_cap_mb=cfg.get("bucket_cap_mb", 25.0), seed=5, momentum_dtype=cfg.get("momentum_dtype"))
+        opt = hier_from_cfg(params, mesh, cfg)
         for t in range(STEPS):
             for p, g in zip(params, grads_for(rank, t, cfg.get("dense", False))):
                 p.grad = g
