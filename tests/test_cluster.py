@@ -286,66 +286,7 @@ def test_leftovers_of_crashed_run_are_removed(capsys):
 SENDER_RECEIVER = textwrap.dedent(
     """
     import os, socket, time
-    n = int(os.environ["NBYTES"])
-    port = 29600
-    if os.environ["RANK"] == "0":
-        s = socket.socket()
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((os.environ["MASTER_ADDR"], port))
-        s.listen(1)
-        conn, _ = s.accept()
-        got, t0 = 0, None
-        while True:
-            b = conn.recv(1 << 20)
-            if t0 is None:
-                t0 = time.perf_counter()
-            if not b:
-                break
-            got += len(b)
-        assert got == n, got
-        print(f"seconds {time.perf_counter() - t0:.6f}")
-    else:
-        for _ in range(500):
-            try:
-                s = socket.create_connection((os.environ["MASTER_ADDR"], port))
-                break
-            except OSError:
-                time.sleep(0.01)
-        s.sendall(b"x" * n)
-        s.close()
-    """
-)
-
-
-@needs_netns
-def test_tbf_slows_transfers(tmp_path):
-    script = tmp_path / "sendrecv.py"
-    script.write_text(SENDER_RECEIVER)
-    nbytes, rate = 5_000_000, 50 * 10**6
-    expected = nbytes * 8 / rate  # 0.8 s
-
-    def transfer_seconds(c):
-        res = c.run([sys.executable, str(script)], env={"NBYTES": str(nbytes)}, timeout=30, check=True)
-        return float(res[0].stdout.split()[1])
-
-    prefix = unique_prefix("tbf")
-    with VirtualCluster(2, link=None, prefix=prefix) as c:
-        unshaped = transfer_seconds(c)
-        c.set_link("50mbit")
-        shaped = transfer_seconds(c)
-    assert leftovers(prefix) == []
-    assert shaped >= 0.5 * expected, (shaped, unshaped)
-    assert shaped >= 3 * unshaped, (shaped, unshaped)
-    assert shaped <= 8 * expected, (shaped, unshaped)  # shaped, not broken
-
-
-# --------------------------------------------------------------------------- nodes
-
-
-PAIR_TRANSFER = textwrap.dedent(
-    """
-    import os, socket, time
-    n, sender, rank = int(os.environ["NBYTES"]), int(os.environ["SENDER"]), int(os.environ["RANK"])
+    n, sender, rank = int(os.environ["NBYTES"]), int(os.environ.get("SENDER", "1")), int(os.environ["RANK"])
     print("env", os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"], os.environ["GROUP_RANK"])
     port = 29600
     if rank == 0:
@@ -377,6 +318,33 @@ PAIR_TRANSFER = textwrap.dedent(
 )
 
 
+@needs_netns
+def test_tbf_slows_transfers(tmp_path):
+    script = tmp_path / "sendrecv.py"
+    script.write_text(SENDER_RECEIVER)
+    nbytes, rate = 5_000_000, 50 * 10**6
+    expected = nbytes * 8 / rate  # 0.8 s
+
+    def transfer_seconds(c):
+        res = c.run([sys.executable, str(script)], env={"NBYTES": str(nbytes)}, timeout=30, check=True)
+        return float(res[0].stdout.split()[-1])
+
+    prefix = unique_prefix("tbf")
+    with VirtualCluster(2, link=None, prefix=prefix) as c:
+        unshaped = transfer_seconds(c)
+        c.set_link("50mbit")
+        shaped = transfer_seconds(c)
+    assert leftovers(prefix) == []
+    assert shaped >= 0.5 * expected, (shaped, unshaped)
+    assert shaped >= 3 * unshaped, (shaped, unshaped)
+    assert shaped <= 8 * expected, (shaped, unshaped)  # shaped, not broken
+
+
+# --------------------------------------------------------------------------- nodes
+
+
+
+
 def test_nodes_need_a_divisor():
     with pytest.raises(ValueError, match="nodes must be a positive int dividing world_size=4"):
         VirtualCluster(4, nodes=3)
@@ -387,7 +355,7 @@ def test_nodes_fast_inside_a_node_shaped_between_nodes(tmp_path):
     """2 nodes × 2 ranks, uplinks at 50 Mbit/s, unshaped inside a node: 5 MB from rank 1 to
     rank 0 (same node) is fast, from rank 2 (other node) takes ~0.8 s; torchrun's variables."""
     script = tmp_path / "pair.py"
-    script.write_text(PAIR_TRANSFER)
+    script.write_text(SENDER_RECEIVER)
     nbytes, rate = 5_000_000, 50 * 10**6
     expected = nbytes * 8 / rate
 
