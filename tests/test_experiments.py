@@ -190,7 +190,7 @@ def test_old_records_convert_to_the_common_axis():
 @pytest.mark.parametrize("spec, lr", [("glion", 0.05), ("gadamw", 0.1), ("terngrad", 0.05),
                                       ("graddrop:0.05", 0.1), ("dgc:0.05", 0.1), ("dgc:1", 0.05),
                                       ("powersgd_lion:1", 0.03), ("powersgd_adamw:2", 0.1),
-                                      ("dlion_avg", 0.05), ("dlion_mavo", 0.05), ("lioncub_quant", 0.05),
+                                      ("dlion_avg", 0.05), ("dlion_mavo", 0.05), ("dlion_mavo_rties", 0.05), ("lioncub_quant", 0.05),
                                       ("lioncub_msync", 0.05)])
 def test_each_method_learns_in_a_short_run(spec, lr):
     # least squares y = X·w*, 4 workers with their own data; 80 steps must cut the loss by 4×
@@ -241,3 +241,56 @@ def test_dgc_at_density_one_tracks_momentum_sgd_in_a_run():
     for p, q, p0 in zip(a.parameters(), b.parameters(), start):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
         assert (p - p0).abs().max() > 1e-3  # it moved far more than the tolerance
+
+
+def test_cosine_schedule_is_the_literal_formula():
+    from dlion.lab.experiments.tasks import Task
+    t = Task(schedule="cosine", warmup_frac=0.1, final_lr_frac=0.1)
+    # budget 20: W = 2 warm-up steps, then t = (step − 2)/18 from 0 to 1
+    assert [t.lr_factor(s, 20) for s in (0, 1)] == [0.5, 1.0]
+    assert t.lr_factor(2, 20) == 1.0
+    assert abs(t.lr_factor(11, 20) - (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))) < 1e-12
+    assert abs(t.lr_factor(20, 20) - 0.1) < 1e-12
+    assert Task().lr_factor(7, 20) == 1.0
+
+
+@pytest.mark.parametrize("spec", ["glion", "dlion_mavo"])
+def test_the_schedule_reaches_the_optimizer(spec):
+    # one step at factor f moves a Lion parameter by exactly f·lr (sign updates, no weight decay)
+    model = torch.nn.Linear(3, 1, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[1.0, 2.0, 3.0]]))
+    m = make_method(spec, list(model.parameters()), 3, {"lr": 0.5, "weight_decay": 0.0}, "charlm", 0, 10)
+    g = torch.tensor([[[1.0, -1.0, 2.0]]] * 3)
+    m.step([g], 0.25)
+    assert model.weight.detach().tolist() == [[1.0 - 0.125, 2.0 + 0.125, 3.0 - 0.125]]
+
+
+def test_vote_agreement_is_counted_over_every_worker():
+    # 3 workers, 4 coordinates: signs (+,+,+) (+,−,+) (−,−,−) (+,−,−): 2 of 4 unanimous, no tie at odd N
+    model = torch.nn.Linear(4, 1, bias=False)
+    m = make_method("dlion_mavo", list(model.parameters()), 3, {"lr": 0.1, "weight_decay": 0.0}, "charlm", 0, 10)
+    g = torch.tensor([[[1.0, 1.0, -1.0, 1.0]], [[1.0, -1.0, -1.0, -1.0]], [[1.0, 1.0, -1.0, -1.0]]])
+    m.step([g])
+    assert m.vote_agreement() == [0.5, 0.0]
+    # 2 workers, opposite signs on 3 of 4 coordinates: 3 ties, 1 unanimous
+    model = torch.nn.Linear(4, 1, bias=False)
+    m = make_method("dlion_mavo", list(model.parameters()), 2, {"lr": 0.1, "weight_decay": 0.0}, "charlm", 0, 10)
+    m.step([torch.tensor([[[1.0, 1.0, -1.0, 1.0]], [[-1.0, -1.0, 1.0, 1.0]]])])
+    assert m.vote_agreement() == [0.25, 0.75]
+
+
+def test_random_ties_method_breaks_every_tie():
+    # 2 workers with opposite signs everywhere: ties="zero" leaves the weights (no decay),
+    # ties="random" moves every coordinate by exactly ±lr
+    out = {}
+    for spec in ("dlion_mavo", "dlion_mavo_rties"):
+        model = torch.nn.Linear(64, 1, bias=False)
+        with torch.no_grad():
+            model.weight.zero_()
+        m = make_method(spec, list(model.parameters()), 2, {"lr": 0.5, "weight_decay": 0.0}, "charlm", 0, 10)
+        g = torch.randn(1, 1, 64)
+        m.step([torch.cat([g, -g])])
+        out[spec] = model.weight.detach().flatten()
+    assert out["dlion_mavo"].tolist() == [0.0] * 64
+    assert sorted(set(out["dlion_mavo_rties"].tolist())) == [-0.5, 0.5]

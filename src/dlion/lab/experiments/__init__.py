@@ -39,7 +39,7 @@ from .tasks import TASKS
 
 __all__ = ["main", "build_parser"]
 
-DEFAULT_BUDGET = {"mnist1d": 120, "digits": 120, "shakespeare": 200}
+DEFAULT_BUDGET = {"mnist1d": 120, "digits": 120, "shakespeare": 200, "charlm": 2000}
 
 
 def _ints(text: str) -> list[int]:
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=_ints, default=None, help="default 0,1,2 (--plot-only: those in the file)")
     p.add_argument("--steps", type=int, default=None,
                    help="optimizer steps per run, the same for every N (default: 120 for mnist1d/digits, "
-                        "200 for shakespeare; --plot-only: the budget of the runs in the file if they share one)")
+                        "200 for shakespeare, 2000 for charlm; --plot-only: the budget of the runs in the file if they share one)")
     p.add_argument("--out", default="experiment_out", help="results directory")
     p.add_argument("--fig-dir", default=None, help="where the PNG figures go (default: --out)")
     p.add_argument("--fig-name", default=None,

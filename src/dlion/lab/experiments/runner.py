@@ -17,7 +17,8 @@ base                aggregation → update                                      
 ``powersgd_lion``   PowerSGD (error feedback, warm start) → Lion                        rank 1
 ``powersgd_adamw``  PowerSGD (error feedback, warm start) → AdamW                       rank 1
 ``dlion_avg``       D-Lion, Δ = mean of signs
-``dlion_mavo``      D-Lion, Δ = sign(Σ signs) (majority vote)
+``dlion_mavo``      D-Lion, Δ = sign(Σ signs) (majority vote), a tie gives 0
+``dlion_mavo_rties`` D-Lion MaVo, a tie broken by a shared coin (``ties="random"``)
 ``lioncub_quant``   Lion Cub: c quantised (L1 scale, 8-bit fields), Δ = sign Σq
 ``lioncub_msync``   Lion Cub: MaVo + fp32 momentum averaging every K = 32 steps
 ==================  ==================================================================  =========================
@@ -60,12 +61,13 @@ BITS_AXIS = "per_rank_sent"
 IMPL = 2                   # 2: the audited baselines (DGC after its reference code, GradDrop global threshold)
 
 METHODS = ("glion", "gadamw", "terngrad", "graddrop", "dgc", "powersgd_lion", "powersgd_adamw", "dlion_avg",
-           "dlion_mavo", "lioncub_quant", "lioncub_msync")
+           "dlion_mavo", "dlion_mavo_rties", "lioncub_quant", "lioncub_msync")
 
 LABELS = {
     "glion": "G-Lion", "gadamw": "G-AdamW", "terngrad": "TernGrad", "graddrop": "GradDrop", "dgc": "DGC",
     "powersgd_lion": "PowerSGD + Lion", "powersgd_adamw": "PowerSGD + AdamW",
-    "dlion_avg": "D-Lion Avg", "dlion_mavo": "D-Lion MaVo", "lioncub_quant": "Lion Cub quant (L1, 8b)",
+    "dlion_avg": "D-Lion Avg", "dlion_mavo": "D-Lion MaVo", "dlion_mavo_rties": "D-Lion MaVo (random ties)",
+    "lioncub_quant": "Lion Cub quant (L1, 8b)",
     "lioncub_msync": f"Lion Cub MaVo+msync K={MOMENTUM_SYNC_K}",
 }
 
@@ -73,7 +75,7 @@ LABELS = {
 PARAMS = {"graddrop": ("density", 0.01), "dgc": ("density", 0.001), "powersgd_lion": ("rank", 1),
           "powersgd_adamw": ("rank", 1)}
 
-FAMILY = {"glion": "lion", "dlion_avg": "lion", "dlion_mavo": "lion", "lioncub_quant": "lion",
+FAMILY = {"glion": "lion", "dlion_avg": "lion", "dlion_mavo": "lion", "dlion_mavo_rties": "lion", "lioncub_quant": "lion",
           "lioncub_msync": "lion", "powersgd_lion": "lion", "gadamw": "adamw", "graddrop": "adamw",
           "powersgd_adamw": "adamw", "terngrad": "sgdm", "dgc": "sgdm"}
 
@@ -191,13 +193,18 @@ GRIDS = {
     "shakespeare": {"lion": {"lr": [1e-3, 3e-3, 1e-2, 3e-2], "weight_decay": [0.1]},
                     "adamw": {"lr": [1e-2, 3e-2, 1e-1], "weight_decay": [0.1]},
                     "sgdm": {"lr": [0.01, 0.03, 0.1, 0.3, 1.0], "weight_decay": [0.0]}},
+    # every family gets the same width: three values a factor √10 apart
+    "charlm": {"lion": {"lr": [1e-4, 3e-4, 1e-3], "weight_decay": [0.1]},
+               "adamw": {"lr": [1e-3, 3e-3, 1e-2], "weight_decay": [0.1]},
+               "sgdm": {"lr": [0.03, 0.1, 0.3], "weight_decay": [0.0]}},
 }
 # Used when no tuned config is given: the middle of each grid.
 DEFAULTS = {task: {fam: {"lr": g["lr"][len(g["lr"]) // 2], "weight_decay": g["weight_decay"][0]}
                    for fam, g in grids.items()} for task, grids in GRIDS.items()}
 BETAS = {"mnist1d": {"lion": (0.9, 0.99), "adamw": (0.9, 0.999)},
          "digits": {"lion": (0.9, 0.99), "adamw": (0.9, 0.999)},
-         "shakespeare": {"lion": (0.95, 0.98), "adamw": (0.9, 0.99)}}
+         "shakespeare": {"lion": (0.95, 0.98), "adamw": (0.9, 0.99)},
+         "charlm": {"lion": (0.95, 0.98), "adamw": (0.9, 0.99)}}
 
 
 class GlobalMethod:
@@ -232,11 +239,12 @@ class GlobalMethod:
         else:  # dgc: the momentum lives in the aggregator
             self.opt = B.DGCSGD(params, lr=lr, momentum=0.9, weight_decay=wd)
 
-    def step(self, grads):
+    def step(self, grads, lr_factor: float = 1.0):
         agg = self.agg(grads)
         if isinstance(self.agg, B.DGC):
-            for group in self.opt.param_groups:
-                group["lr"] = self.base_lr * self.agg.lr_factor(self.step_count)
+            lr_factor *= self.agg.lr_factor(self.step_count)
+        for group in self.opt.param_groups:
+            group["lr"] = self.base_lr * lr_factor
         for p, g in zip(self.params, agg):
             p.grad = g.to(p.dtype)
         self.opt.step()
@@ -256,6 +264,8 @@ class SimMethod:
         kw = dict(vote="mavo", comm="1bit")
         if name == "dlion_avg":
             kw["vote"] = "avg"
+        elif name == "dlion_mavo_rties":
+            kw["ties"] = "random"
         elif name == "lioncub_quant":
             kw.update(aggregate="quantized", quant_norm="l1", quant_bits=8)
         elif name == "lioncub_msync":
@@ -265,9 +275,21 @@ class SimMethod:
         self.sim = SimulatedDistributedLion(params, world_size, lr=hp["lr"], betas=betas["lion"],
                                             weight_decay=hp["weight_decay"], seed=seed, **kw)
         self.world_size = world_size
+        self.base_lr = hp["lr"]
+        self._tally = (0, 0, 0)
 
-    def step(self, grads):
+    def step(self, grads, lr_factor: float = 1.0):
+        self.sim.lr = self.base_lr * lr_factor
         self.sim.step([[g[i] for g in grads] for i in range(self.world_size)])
+
+    def vote_agreement(self) -> Optional[list]:
+        """[unanimous, tied] fractions of the voted coordinates since the last call (None
+        for the quantised aggregation, whose vote is over integers, not signs)."""
+        cs = self.sim.comm_stats
+        now = (cs.voted, cs.unanimous, cs.tied)
+        d = [a - b for a, b in zip(now, self._tally)]
+        self._tally = now
+        return [d[1] / d[0], d[2] / d[0]] if d[0] and self.sim.aggregate == "sign" else None
 
     def bits(self) -> dict:
         cs, d = self.sim.comm_stats, self.sim.num_params
@@ -309,9 +331,10 @@ def run_one(task_name: str, method: str, world_size: int, seed: int, budget: int
     diverged = False
     pi = 0
     step = 0
+    agreement = []
     for x, y, progress in task.batches(world_size, seed, budget):
         grads, loss = task.per_worker_grads(model, x, y)
-        m.step(grads)
+        m.step(grads, task.lr_factor(step, steps))
         step += 1
         losses.append(loss)
         if not math.isfinite(loss) or not all(torch.isfinite(p).all() for p in params):
@@ -321,6 +344,8 @@ def run_one(task_name: str, method: str, world_size: int, seed: int, budget: int
             curve.append([task.epoch_of(points[pi], world_size), metric, points[pi]])
             train_loss.append([points[pi], sum(losses) / len(losses)])
             losses = []
+            if hasattr(m, "vote_agreement"):
+                agreement.append([points[pi], m.vote_agreement()])
             pi += 1
         if diverged:
             break
@@ -331,7 +356,13 @@ def run_one(task_name: str, method: str, world_size: int, seed: int, budget: int
            "lr": hp["lr"], "weight_decay": hp["weight_decay"], "metric": task.metric,
            "final": final, "diverged": diverged, "curve": curve, "train_loss": train_loss,
            "num_params": sum(p.numel() for p in params), "seconds": round(time.time() - t0, 2),
-           "impl": IMPL}
+           "impl": IMPL, "schedule": task.schedule}
+    if task.schedule != "constant":
+        rec.update(warmup_frac=task.warmup_frac, final_lr_frac=task.final_lr_frac)
+    if any(a[1] is not None for a in agreement):
+        # the vote's agreement between evaluations: fractions of the voted coordinates on
+        # which all N workers' signs agreed, and on which they cancelled (a tie)
+        rec["vote_agreement"] = [[p, a[0], a[1]] for p, a in agreement if a is not None]
     rec.update(m.bits())
     return rec
 

@@ -7,6 +7,11 @@
 ``shakespeare``  character-level :class:`dlion.lab.models.CharGPT` (2 layers, 4 heads,
                  width 32, context 32) on the Shakespeare corpus, local batch 4
                  windows of 32 characters; metric: validation loss (nats/char).
+``charlm``       the same corpus and sharding with a model that learns: CharGPT with
+                 4 layers, 4 heads, width 160, context 64 (1.26 M parameters), local
+                 batch 8 windows of 64 characters, 2000 steps with linear warm-up
+                 over the first 5 % and cosine decay to 10 % of the peak lr for
+                 every method; validation on 512 fixed windows (32,768 characters).
 
 The budget is a fixed number of optimizer steps for every N (the global batch
 grows with N: N·32 samples per step), so every N gets the same number of
@@ -55,7 +60,25 @@ class Task:
     budget_unit: str = "steps"
     local_batch: int = 32
     num_evals: int = 10
+    schedule: str = "constant"   # or "cosine": linear warm-up, then cosine decay (see lr_factor)
+    warmup_frac: float = 0.05
+    final_lr_frac: float = 0.1
     data: tuple = field(default=None, repr=False)
+
+    def lr_factor(self, step: int, budget: int) -> float:
+        """Multiplier of the peak lr for optimizer step ``step`` (0-based) of ``budget``.
+
+        ``constant``: 1. ``cosine``: (step + 1)/W for the first W = ⌈warmup_frac·budget⌉
+        steps, then f + (1 − f)·½(1 + cos(π·t)) with t = (step − W)/(budget − W) going
+        from 0 to 1 and f = ``final_lr_frac``."""
+        if self.schedule == "constant":
+            return 1.0
+        warm = max(1, math.ceil(self.warmup_frac * budget))
+        if step < warm:
+            return (step + 1) / warm
+        t = (step - warm) / max(1, budget - warm)
+        f = self.final_lr_frac
+        return f + (1.0 - f) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, t)))
 
     def make_model(self, seed: int) -> nn.Module:
         raise NotImplementedError
@@ -237,7 +260,7 @@ class ShakespeareTask(Task):
         return sum(losses) / len(losses)
 
 
-TASKS = ("mnist1d", "digits", "shakespeare")
+TASKS = ("mnist1d", "digits", "shakespeare", "charlm")
 
 _CACHE: dict = {}
 
@@ -249,6 +272,10 @@ def make_task(name: str, tune: bool = False) -> Task:
             _CACHE[key] = ImageTask(name=name, tune=tune)
         elif name == "shakespeare":
             _CACHE[key] = ShakespeareTask(tune=tune)
+        elif name == "charlm":
+            _CACHE[key] = ShakespeareTask(name="charlm", tune=tune, local_batch=8, block_size=64, n_layer=4,
+                                          n_head=4, n_embd=160, eval_windows=512, num_evals=20,
+                                          schedule="cosine")
         else:
             raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
     return _CACHE[key]
