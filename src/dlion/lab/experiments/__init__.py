@@ -34,7 +34,7 @@ import sys
 
 import torch
 
-from .runner import METHODS, canonical, hparams_for, load_runs, sweep, tune
+from .runner import METHODS, canonical, hparams_for, load_runs, run_real, sweep, tune
 from .tasks import TASKS
 
 __all__ = ["main", "build_parser"]
@@ -87,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--merge", nargs="+", default=[], metavar="DIR",
                    help="first append the runs of these result directories (shards of one sweep run in "
                         "parallel, e.g. one per N) to --out's runs.jsonl, skipping keys already there")
+    p.add_argument("--real-ranks", action="store_true",
+                   help="confirm the simulated path: train the first --methods / --workers / --seeds on that "
+                        "many real Gloo ranks (DistributedLion), append the record to real_runs.jsonl and "
+                        "compare its curve with the simulated run of the same key in runs.jsonl")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="--real-ranks: stop after this many steps of the --steps schedule")
     p.add_argument("--max-runs", type=int, default=None, help="stop after this many new runs (testing)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -129,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         if config.get("task", task) != task:
             print(f"dlion experiment: config is for task {config.get('task')!r}, not {task!r}", file=sys.stderr)
             return 2
+    if args.real_ranks:
+        return _confirm_real(args, task, budget, config, runs_path)
     if args.merge:
         have = {r["key"] for r in load_runs(runs_path)}
         added = 0
@@ -170,3 +178,28 @@ def main(argv: list[str] | None = None) -> int:
     for line in report(runs, args.out, fig_dir, args.fig_name):
         print(line)
     return 0
+
+
+def _confirm_real(args, task: str, budget: int, config, runs_path: str) -> int:
+    """--real-ranks: the same run on real ranks, compared point by point with the simulated one."""
+    method, n, seed = args.methods[0], args.workers[0], args.seeds[0]
+    hp = hparams_for(config, task, method)
+    rec = run_real(task, method, n, seed, budget, hp, args.stop_after)
+    with open(os.path.join(args.out, "real_runs.jsonl"), "a") as f:
+        f.write(json.dumps(rec) + "\n")
+    sim = {r["key"]: r for r in load_runs(runs_path)}.get(rec["key"])
+    print(f"{method} N={n} seed={seed}: {rec['steps']} steps on {n} real ranks in {rec['seconds']:.0f} s; "
+          f"parameters bitwise equal on every rank: {rec['ranks_bitwise_equal']}")
+    if sim is None:
+        print(f"no simulated run with key {rec['key']} in {runs_path} to compare with")
+        return 0 if rec["ranks_bitwise_equal"] else 1
+    simulated = {c[2]: c[1] for c in sim["curve"]}
+    diffs = []
+    print("step   simulated   real ranks   |difference|")
+    for progress, real, step in rec["curve"]:
+        if step in simulated:
+            diffs.append(abs(real - simulated[step]))
+            print(f"{step:>5.0f}   {simulated[step]:.5f}     {real:.5f}      {diffs[-1]:.2e}")
+    if diffs:
+        print(f"largest difference of the validation loss: {max(diffs):.2e}")
+    return 0 if rec["ranks_bitwise_equal"] else 1

@@ -53,7 +53,7 @@ from . import baselines as B
 from .tasks import Task, make_task
 
 __all__ = ["METHODS", "LABELS", "GRIDS", "DEFAULTS", "make_method", "run_one", "run_key", "sweep", "tune",
-           "load_runs", "MOMENTUM_SYNC_K", "parse_method", "canonical", "label", "family", "common_bits",
+           "load_runs", "run_real", "dlion_options", "MOMENTUM_SYNC_K", "parse_method", "canonical", "label", "family", "common_bits",
            "dgc_clip", "BITS_AXIS"]
 
 MOMENTUM_SYNC_K = 32
@@ -194,8 +194,8 @@ GRIDS = {
                     "adamw": {"lr": [1e-2, 3e-2, 1e-1], "weight_decay": [0.1]},
                     "sgdm": {"lr": [0.01, 0.03, 0.1, 0.3, 1.0], "weight_decay": [0.0]}},
     # every family gets the same width: three values a factor √10 apart
-    "charlm": {"lion": {"lr": [1e-4, 3e-4, 1e-3], "weight_decay": [0.1]},
-               "adamw": {"lr": [1e-3, 3e-3, 1e-2], "weight_decay": [0.1]},
+    "charlm": {"lion": {"lr": [3e-5, 1e-4, 3e-4], "weight_decay": [0.1]},
+               "adamw": {"lr": [3e-4, 1e-3, 3e-3], "weight_decay": [0.1]},
                "sgdm": {"lr": [0.03, 0.1, 0.3], "weight_decay": [0.0]}},
 }
 # Used when no tuned config is given: the middle of each grid.
@@ -257,23 +257,28 @@ class GlobalMethod:
                 "bits_axis": BITS_AXIS, "bits_source": "counted (formula)"}
 
 
+def dlion_options(name: str) -> dict:
+    """The options of :class:`dlion.DistributedLion` (and of its simulated twin) for a D-Lion / Lion Cub method."""
+    kw = dict(vote="mavo", comm="1bit")
+    if name == "dlion_avg":
+        kw["vote"] = "avg"
+    elif name == "dlion_mavo_rties":
+        kw["ties"] = "random"
+    elif name == "lioncub_quant":
+        kw.update(aggregate="quantized", quant_norm="l1", quant_bits=8)
+    elif name == "lioncub_msync":
+        kw.update(momentum_sync=MOMENTUM_SYNC_K)
+    elif name != "dlion_mavo":
+        raise ValueError(name)
+    return kw
+
+
 class SimMethod:
     """D-Lion / Lion Cub through :class:`SimulatedDistributedLion`."""
 
     def __init__(self, name, params, world_size, hp, betas, seed):
-        kw = dict(vote="mavo", comm="1bit")
-        if name == "dlion_avg":
-            kw["vote"] = "avg"
-        elif name == "dlion_mavo_rties":
-            kw["ties"] = "random"
-        elif name == "lioncub_quant":
-            kw.update(aggregate="quantized", quant_norm="l1", quant_bits=8)
-        elif name == "lioncub_msync":
-            kw.update(momentum_sync=MOMENTUM_SYNC_K)
-        elif name != "dlion_mavo":
-            raise ValueError(name)
         self.sim = SimulatedDistributedLion(params, world_size, lr=hp["lr"], betas=betas["lion"],
-                                            weight_decay=hp["weight_decay"], seed=seed, **kw)
+                                            weight_decay=hp["weight_decay"], seed=seed, **dlion_options(name))
         self.world_size = world_size
         self.base_lr = hp["lr"]
         self._tally = (0, 0, 0)
@@ -364,6 +369,72 @@ def run_one(task_name: str, method: str, world_size: int, seed: int, budget: int
         # which all N workers' signs agreed, and on which they cancelled (a tie)
         rec["vote_agreement"] = [[p, a[0], a[1]] for p, a in agreement if a is not None]
     rec.update(m.bits())
+    return rec
+
+
+def _real_rank(rank: int, world_size: int, task_name: str, method: str, seed: int, budget: int, hp: dict,
+               stop_after: int) -> dict:
+    """One rank of :func:`run_real`: its own worker's batches, plain autograd, DistributedLion."""
+    from torch.func import functional_call, grad
+
+    from dlion.distributed import DistributedLion
+
+    from .tasks import plain_attention
+
+    task = make_task(task_name)
+    model = task.make_model(seed)
+    names = [n for n, _ in model.named_parameters()]
+    opt = DistributedLion(model.named_parameters(), lr=hp["lr"], betas=BETAS[task_name]["lion"],
+                          weight_decay=hp["weight_decay"], seed=seed, **dlion_options(parse_method(method)[0]))
+    points = task.eval_points(budget, world_size)
+    curve, step, t0 = [], 0, time.time()
+
+    def loss_fn(p, xb, yb):
+        return functional_call(model, p, (xb, yb))[1]
+
+    for x, y, progress in task.batches(world_size, seed, budget):
+        if step >= stop_after:
+            break
+        params = {n: p.detach() for n, p in model.named_parameters()}
+        with plain_attention():  # the attention of the simulated path, for the same rounding
+            g = grad(loss_fn)(params, x[rank], y[rank])
+        for n, p in model.named_parameters():
+            p.grad = g[n]
+        for group in opt.param_groups:
+            group["lr"] = hp["lr"] * task.lr_factor(step, budget)
+        opt.step()
+        opt.zero_grad()
+        step += 1
+        if points and progress >= points[0] - 1e-9:
+            points.pop(0)
+            curve.append([progress, task.evaluate(model) if rank == 0 else None, progress])
+    digest = torch.cat([p.detach().flatten() for p in model.parameters()])
+    return {"curve": curve, "steps": step, "seconds": round(time.time() - t0, 2), "names": names,
+            "params": digest}
+
+
+def run_real(task_name: str, method: str, world_size: int, seed: int, budget: int, hp: dict,
+             stop_after: Optional[int] = None, keep_params: bool = False) -> dict:
+    """Train a D-Lion / Lion Cub method on ``world_size`` real Gloo ranks (one process each,
+    :class:`dlion.DistributedLion`), with the data, schedule and seeds of :func:`run_one`, for
+    the first ``stop_after`` steps of the ``budget`` schedule. Returns the record with rank 0's
+    validation curve and whether every rank ended with bitwise equal parameters (and, with
+    ``keep_params``, rank 0's final parameters flattened under ``"params"``)."""
+    from ..spawn import spawn
+
+    method = canonical(method)
+    if not parse_method(method)[0].startswith(("dlion", "lioncub")):
+        raise ValueError(f"the real multi-rank path runs D-Lion / Lion Cub methods, not {method!r}")
+    stop_after = budget if stop_after is None else min(stop_after, budget)
+    outs = spawn(_real_rank, world_size, task_name, method, seed, budget, hp, stop_after,
+                 timeout_s=3600.0)
+    same = all(torch.equal(outs[0]["params"], o["params"]) for o in outs[1:])
+    rec = {"key": run_key(task_name, method, world_size, seed, budget, hp), "task": task_name,
+            "method": method, "workers": world_size, "seed": seed, "budget": budget, "steps": outs[0]["steps"],
+            "lr": hp["lr"], "weight_decay": hp["weight_decay"], "curve": outs[0]["curve"],
+            "ranks_bitwise_equal": same, "seconds": outs[0]["seconds"], "path": "real Gloo ranks"}
+    if keep_params:
+        rec["params"] = outs[0]["params"]
     return rec
 
 

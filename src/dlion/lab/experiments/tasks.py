@@ -116,7 +116,7 @@ def _causal_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, s
 
 
 @contextlib.contextmanager
-def _plain_attention():
+def plain_attention():
     original = F.scaled_dot_product_attention
     F.scaled_dot_product_attention = _causal_attention
     try:
@@ -249,7 +249,7 @@ class ShakespeareTask(Task):
             loss = functional_call(model, p, (xb, yb))[1]
             return loss, loss
 
-        with _plain_attention():
+        with plain_attention():
             grads, losses = vmap(grad(loss_fn, has_aux=True), in_dims=(None, 0, 0))(params, x, y)
         return [grads[n] for n in params], float(losses.mean())
 
