@@ -334,3 +334,17 @@ def test_cli_confirms_a_simulated_run_on_real_ranks(tmp_path, capsys):
     assert len(rows) == 4 and all(abs(float(r[1]) - float(r[2])) < 0.05 for r in rows)
     rec = load_runs(str(tmp_path / "real_runs.jsonl"))[0]
     assert rec["path"] == "real Gloo ranks" and rec["steps"] == 4 and "params" not in rec
+
+
+def test_beta2_variant_of_a_lion_method():
+    assert canonical("dlion_mavo:b2=0.990") == "dlion_mavo:b2=0.99"
+    assert label("dlion_mavo:b2=0.99") == "D-Lion MaVo, β2 = 0.99"
+    for bad in ("dgc:b2=0.9", "dlion_mavo:b2=1", "dlion_mavo:b2=x", "glion:b2=0.9:clip=1"):
+        with pytest.raises(ValueError):
+            canonical(bad)
+    # the override reaches the momentum: after one step m = (1 − β2)·g
+    for spec, b2 in (("dlion_mavo", 0.98), ("dlion_mavo:b2=0.5", 0.5)):
+        model = torch.nn.Linear(2, 1, bias=False)
+        m = make_method(spec, list(model.parameters()), 1, {"lr": 0.1, "weight_decay": 0.0}, "charlm", 0, 10)
+        m.step([torch.tensor([[[2.0, -4.0]]])])
+        assert m.sim.momenta[0][0].tolist() == [(torch.tensor([2.0, -4.0]) * (1 - b2)).tolist()]

@@ -23,15 +23,15 @@ from collections import defaultdict
 
 import numpy as np
 
-from .runner import METHODS, common_bits, dgc_clip, is_legacy, label, parse_method
+from .runner import METHODS, beta2_of, common_bits, dgc_clip, is_legacy, label, parse_method
 
 __all__ = ["summarize", "report", "markdown_tables"]
 
 COLORS = {"glion": "#1f77b4", "gadamw": "#9467bd", "terngrad": "#8c564b", "graddrop": "#e377c2",
           "dgc": "#7f7f7f", "powersgd_lion": "#bcbd22", "powersgd_adamw": "#393b79", "dlion_avg": "#2ca02c",
-          "dlion_mavo": "#d62728", "lioncub_quant": "#ff7f0e", "lioncub_msync": "#17becf"}
+          "dlion_mavo": "#d62728", "dlion_mavo_rties": "#ff9896", "lioncub_quant": "#ff7f0e", "lioncub_msync": "#17becf"}
 MARKERS = {"glion": "o", "gadamw": "s", "terngrad": "v", "graddrop": "^", "dgc": "<", "powersgd_lion": ">",
-           "powersgd_adamw": "h", "dlion_avg": "D", "dlion_mavo": "*", "lioncub_quant": "P", "lioncub_msync": "X"}
+           "powersgd_adamw": "h", "dlion_avg": "D", "dlion_mavo": "*", "dlion_mavo_rties": "*", "lioncub_quant": "P", "lioncub_msync": "X"}
 
 
 def _base(m):
@@ -41,6 +41,8 @@ def _base(m):
 def _line(m):
     """The settings joined into one frontier line: one per base method (and DGC clipping threshold)."""
     b = _base(m)
+    if beta2_of(m) is not None:
+        return f"{b}:b2={beta2_of(m):g}"
     clip = dgc_clip(m) if b == "dgc" else None
     return b if clip is None else f"{b}:clip={clip:g}"
 
@@ -248,7 +250,7 @@ def figures(runs: list[dict], fig_dir: str, name: str | None = None) -> list[str
             e = [scale * q[2] for q in pts]
             legend = labels[pts[0][3]] if len(pts) == 1 else label(b) + (
                 " (pre-audit)" if "pre-audit" in labels[pts[0][3]] else "") + (
-                f", clip {dgc_clip(ln):g}" if ln != b else "")
+                f", clip {dgc_clip(ln):g}" if dgc_clip(ln) is not None else "")
             ax.errorbar(x, y, yerr=e, color=COLORS[b], marker=MARKERS[b], ms=9 if b == "dlion_mavo" else 6,
                         capsize=3, ls=("--" if ln != b else "-") if len(pts) > 1 else "none", lw=0.9,
                         label=legend, mfc="none" if ln != b else None)

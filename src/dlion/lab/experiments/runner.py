@@ -54,7 +54,7 @@ from .tasks import Task, make_task
 
 __all__ = ["METHODS", "LABELS", "GRIDS", "DEFAULTS", "make_method", "run_one", "run_key", "sweep", "tune",
            "load_runs", "run_real", "dlion_options", "MOMENTUM_SYNC_K", "parse_method", "canonical", "label", "family", "common_bits",
-           "dgc_clip", "BITS_AXIS"]
+           "dgc_clip", "beta2_of", "BITS_AXIS"]
 
 MOMENTUM_SYNC_K = 32
 BITS_AXIS = "per_rank_sent"
@@ -85,6 +85,11 @@ def parse_method(spec: str) -> tuple[str, Optional[float]]:
     DGC takes one more field, its local clipping threshold: ``"dgc:0.01:clip=1"`` (see :func:`dgc_clip`)."""
     base, _, arg = spec.partition(":")
     arg, _, extra = arg.partition(":")
+    if arg.startswith("b2="):  # a Lion-family method with another β2: "dlion_mavo:b2=0.99"
+        if base not in METHODS or FAMILY[base] != "lion" or extra:
+            raise ValueError(f"only a Lion-family method takes b2=BETA2, as its only field, got {spec!r}")
+        beta2_of(spec)
+        return base, None
     if extra:
         if base != "dgc":
             raise ValueError(f"only dgc takes a third field (clip=C), got {spec!r}")
@@ -127,9 +132,25 @@ def dgc_clip(spec: str) -> Optional[float]:
     return clip
 
 
+def beta2_of(spec: str) -> Optional[float]:
+    """The β2 of a spec ``BASE:b2=X`` (a Lion-family method with another momentum β2); None without one."""
+    field_ = spec.partition(":")[2]
+    if not field_.startswith("b2="):
+        return None
+    try:
+        b2 = float(field_[3:])
+    except ValueError:
+        b2 = -1.0
+    if not 0 <= b2 < 1:
+        raise ValueError(f"b2 must be in [0, 1), got {spec!r}")
+    return b2
+
+
 def canonical(spec: str) -> str:
     """The spec with its parameter written out: ``"dgc"`` → ``"dgc:0.001"``."""
     base, arg = parse_method(spec)
+    if beta2_of(spec) is not None:
+        return f"{base}:b2={beta2_of(spec):g}"
     if arg is None:
         return base
     clip = dgc_clip(spec) if base == "dgc" else None
@@ -148,6 +169,8 @@ def label(spec: str, legacy: bool = False) -> str:
         text += f" {100 * arg:g} %"
         if base == "dgc" and dgc_clip(spec) is not None:
             text += f", clip {dgc_clip(spec):g}"
+    elif beta2_of(spec) is not None:
+        text += f", β2 = {beta2_of(spec):g}"
     elif base.startswith("powersgd") and ":" in spec:
         text = f"PowerSGD r={arg} + " + ("Lion" if base.endswith("lion") else "AdamW")
     if legacy and base in ("dgc", "graddrop"):
@@ -306,6 +329,8 @@ class SimMethod:
 
 def make_method(spec, params, world_size, hp, task_name, seed, total_steps):
     betas = BETAS[task_name]
+    if beta2_of(spec) is not None:
+        betas = dict(betas, lion=(betas["lion"][0], beta2_of(spec)))
     name = parse_method(spec)[0]
     if name.startswith(("dlion", "lioncub")):
         return SimMethod(name, params, world_size, hp, betas, seed)
