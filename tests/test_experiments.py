@@ -47,6 +47,13 @@ def test_sweep_resume_and_figures(tmp_path):
     by = {(r["method"], r["workers"]): r for r in summary}
     assert by[("glion", 2)]["bits"] == 32.0 and by[("glion", 4)]["bits"] == 48.0  # 2·32·(N−1)/N
     assert 0 < by[("dlion_mavo", 4)]["bits"] < 8
+    # the sign vote's agreement: fractions of the voted coordinates, for MaVo only; at N = 2 a
+    # voted coordinate is unanimous, tied, or voted by one worker only (the other abstains: c = 0,
+    # which dead ReLU units give on MNIST-1D)
+    assert "vote_unanimous" not in by[("glion", 2)]
+    two = by[("dlion_mavo", 2)]
+    assert 0 < two["vote_unanimous"] < 1 and 0.8 < two["vote_unanimous"] + two["vote_tied"] <= 1
+    assert os.path.getsize(os.path.join(out, "results_mnist1d_vote_agreement.png")) > 0
     # --plot-only redraws from the file alone: methods, N, seeds and budget taken from it
     for name in ("curves", "final_vs_N", "vs_bits"):
         os.remove(os.path.join(out, f"results_mnist1d_{name}.png"))

@@ -93,8 +93,20 @@ def summarize(runs: list[dict]) -> list[dict]:
                 "lr": rs[0]["lr"], "weight_decay": rs[0]["weight_decay"], "steps": rs[0]["steps"],
                 "budget": rs[0]["budget"], "budget_unit": rs[0]["budget_unit"],
                 "seconds_per_run": float(np.mean([r["seconds"] for r in rs])),
+                **_agreement(rs),
             })
     return rows
+
+
+def _agreement(rs: list[dict]) -> dict:
+    """Unanimous and tied fractions of the voted coordinates over the second half of training
+    (mean over the evaluation intervals and seeds); empty for methods without a sign vote."""
+    tails = [[a for a in r["vote_agreement"] if a[0] > r["budget"] / 2] for r in rs if r.get("vote_agreement")]
+    tails = [t for t in tails if t]
+    if not tails:
+        return {}
+    return {"vote_unanimous": float(np.mean([a[1] for t in tails for a in t])),
+            "vote_tied": float(np.mean([a[2] for t in tails for a in t]))}
 
 
 def _fmt(mean, std, pct):
@@ -130,7 +142,15 @@ def markdown_tables(rows: list[dict]) -> list[str]:
         for n in ns:
             if ("dlion_mavo", n) in by and ("glion", n) in by:
                 d = by[("dlion_mavo", n)]["mean"] - by[("glion", n)]["mean"]
-                lines.append(f"| {n} | {100 * d:+.1f} points |" if pct else f"| {n} | {d:+.3f} |")
+                lines.append(f"| {n} | {100 * d:+.1f} points |" if pct else
+                             f"| {n} | {d:+.3f} ({100 * d / by[('glion', n)]['mean']:+.1f} %) |")
+    voting = [r for r in rows if "vote_unanimous" in r]
+    if voting:
+        lines += ["", "| method | N | unanimous (% of voted coordinates) | tied (%) | unanimous if the signs were "
+                  "coin flips (%) |", "|---|---|---|---|---|"]
+        for r in voting:
+            lines.append(f"| {r['label']} | {r['workers']} | {100 * r['vote_unanimous']:.1f} | "
+                         f"{100 * r['vote_tied']:.1f} | {100 * 2 / 2 ** r['workers']:.1f} |")
     return lines
 
 
@@ -278,6 +298,32 @@ def figures(runs: list[dict], fig_dir: str, name: str | None = None) -> list[str
     fig.savefig(p, dpi=110)
     plt.close(fig)
     paths.append(p)
+
+    # 4. how the sign vote went over training: unanimous and tied fractions of the voted coordinates
+    voting = [m for m in methods if any("vote_agreement" in r for n in ns for r in groups.get((m, n), []))]
+    if voting:
+        fig, axes = plt.subplots(1, len(ns), figsize=(4.6 * len(ns) + 2.5, 3.6), squeeze=False)
+        for ax, n in zip(axes[0], ns):
+            for m in voting:
+                recs = [r for r in groups.get((m, n), []) if "vote_agreement" in r]
+                if not recs:
+                    continue
+                va = np.array([r["vote_agreement"] for r in recs], dtype=float)  # (seeds, points, 3)
+                c, _, ls = style[m]
+                ax.plot(va[0, :, 0], 100 * va[:, :, 1].mean(0), color=c, ls="-", label=f"{labels[m]}: unanimous")
+                ax.plot(va[0, :, 0], 100 * va[:, :, 2].mean(0), color=c, ls=":", label=f"{labels[m]}: tied")
+            ax.axhline(100 * 2 / 2 ** n, color="grey", lw=0.8, ls="--", label="unanimous if signs were coin flips")
+            ax.set_title(f"{task}, N = {n}")
+            ax.set_xlabel("step")
+            ax.set_ylabel("% of voted coordinates")
+            ax.grid(alpha=0.3)
+        axes[0][-1].legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
+        fig.suptitle(f"{task}: agreement of the workers' signs (mean over seeds)")
+        fig.tight_layout()
+        p = os.path.join(fig_dir, f"{name}_vote_agreement.png")
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
     return paths
 
 
@@ -288,7 +334,7 @@ def report(runs: list[dict], out_dir: str, fig_dir: str, fig_name: str | None = 
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
         json.dump(rows, f, indent=1)
     with open(os.path.join(out_dir, "summary.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         w.writeheader()
         w.writerows(rows)
     paths = figures(runs, fig_dir, fig_name)
