@@ -7,6 +7,9 @@
 #   scripts/charlm_sweep.sh sweep "glion,gadamw" "dlion_mavo,powersgd_adamw:4" 4 0,1,2
 #   scripts/charlm_sweep.sh plot
 #
+# Other shards (the diagnostic runs, other N) are plain `dlion experiment --task charlm ...
+# --config $OUT/tuned.json --out $OUT/shards/diag_*|N*` commands; `plot` merges them too.
+#
 # Each shard writes its own directory under $OUT/shards; `tune` merges the shards'
 # tuned.json into $OUT/tuned.json, `sweep` and `plot` merge their runs into $OUT/runs.jsonl.
 set -euo pipefail
@@ -52,7 +55,7 @@ sweep)
     wait
     ;;
 plot)
-    shards=$(ls -d "$OUT"/shards/N* 2>/dev/null || true)
+    shards=$(ls -d "$OUT"/shards/N* "$OUT"/shards/diag* 2>/dev/null || true)
     # shellcheck disable=SC2086
     $PY -m dlion experiment --task charlm --plot-only --config "$OUT/tuned.json" --out "$OUT" \
         --fig-dir docs/figures --fig-name results_charlm ${shards:+--merge $shards}
