@@ -500,3 +500,37 @@ def test_a_hierarchical_checkpoint_on_another_mesh_is_refused(tmp_path):
     for err in spawn(resize_worker, 2, path, timeout_s=120):        # loaded by 1 × 2
         assert err is not None, "a 2 x 2 hierarchical checkpoint was loaded on a 1 x 2 mesh"
         assert "cannot be re-cut" in err[1] or "mesh" in err[1], err
+
+
+def mesh_change_worker(rank, world, path):
+    import dlion.checkpoint as ckpt
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 4)
+    opt = _hier(model.parameters(), make_mesh((2, 2)))
+    model(torch.randn(3, 6) + rank).sum().backward()
+    opt.step()
+    ckpt.save(path, model, opt)
+    saved = [p.detach().clone() for p in model.parameters()]
+    # the same 4 ranks as 4 nodes of 1: another mesh, so the momentum shards do not fit
+    fresh = torch.nn.Linear(6, 4)
+    before = [p.detach().clone() for p in fresh.parameters()]
+    opt2 = _hier(fresh.parameters(), make_mesh((4, 1)))
+    try:
+        ckpt.load(path, fresh, opt2)
+        error = None
+    except ckpt.CheckpointError as e:
+        error = str(e)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, fresh.parameters()))
+    # on the mesh it was saved on, it loads
+    again = torch.nn.Linear(6, 4)
+    ckpt.load(path, again, _hier(again.parameters(), make_mesh((2, 2))))
+    loaded = all(torch.equal(a, b) for a, b in zip(saved, again.parameters()))
+    return error, unchanged, loaded
+
+
+def test_checkpoint_load_on_another_mesh_refuses_before_changing_the_model(tmp_path):
+    for rank, (error, unchanged, loaded) in enumerate(spawn(mesh_change_worker, 4, str(tmp_path / "c.pt"),
+                                                            timeout_s=300)):
+        assert error is not None and "Momentum shards cannot be re-cut" in error, (rank, error)
+        assert unchanged, f"rank {rank}: the model was changed by a load that failed"
+        assert loaded

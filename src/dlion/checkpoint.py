@@ -459,6 +459,12 @@ def _mean_state(states: list[dict], src: dict) -> dict:
 
 
 def _check_optimizer_state(path: str, sd: dict, optimizer: torch.optim.Optimizer) -> None:
+    check = getattr(optimizer, "check_state_dict", None)  # an optimizer's own conditions (the hierarchical mesh)
+    if check is not None:
+        try:
+            check(sd)
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {path!r}: {e}") from e
     params = [p for g in optimizer.param_groups for p in g["params"]]
     groups = sd.get("param_groups", [])
     if len(groups) != len(optimizer.param_groups) or \

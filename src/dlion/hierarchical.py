@@ -545,9 +545,11 @@ class HierarchicalDistributedLion(Lion):
                            "momentum": [buf.momentum.clone() for buf in getattr(self, "_sbufs", [])]}}
         return sd
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        extra = state_dict.get("dlion")
-        hier = (extra or {}).get("hierarchical")
+    def check_state_dict(self, state_dict: dict) -> None:
+        """Raise ``ValueError`` if this rank cannot load ``state_dict`` (saved by a flat optimizer, or
+        on another mesh or by another rank of it); :func:`dlion.checkpoint.load` calls this before it
+        changes anything."""
+        hier = (state_dict.get("dlion") or {}).get("hierarchical")
         if self.world_size > 1:
             if hier is None:
                 raise ValueError(
@@ -563,6 +565,11 @@ class HierarchicalDistributedLion(Lion):
                     f"(node {theirs[2]}, local {theirs[3]}); this rank is (node {mine[2]}, local {mine[3]}) of a "
                     f"{mine[0]} × {mine[1]} mesh with {'the same' if mine[:2] == theirs[:2] else 'another'} layout. "
                     "Momentum shards cannot be re-cut: resume on the same mesh, each rank loading its own state.")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.check_state_dict(state_dict)
+        extra = state_dict.get("dlion")
+        hier = (extra or {}).get("hierarchical")
         sd = dict(state_dict)
         sd.pop("dlion", None)
         super().load_state_dict(sd)
