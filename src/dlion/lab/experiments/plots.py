@@ -176,6 +176,15 @@ def _styles(methods):
     return out
 
 
+def _save(fig, path: str) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def figures(runs: list[dict], fig_dir: str, name: str | None = None) -> list[str]:
     import matplotlib
 
@@ -217,11 +226,7 @@ def figures(runs: list[dict], fig_dir: str, name: str | None = None) -> list[str
             lo = min(np.nanmin(_mean_curve(groups[(m, n)])[1]) for m in methods if (m, n) in groups)
             ax.set_ylim(lo - 0.05, lo + 1.5)
     axes[0][-1].legend(fontsize=6, loc="center left" if many else "best", bbox_to_anchor=(1.0, 0.5) if many else None)
-    fig.tight_layout()
-    p = os.path.join(fig_dir, f"{name}_curves.png")
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save(fig, os.path.join(fig_dir, f"{name}_curves.png")))
 
     rows = summarize(runs)
     by = {(r["method"], r["workers"]): r for r in rows}
@@ -245,11 +250,7 @@ def figures(runs: list[dict], fig_dir: str, name: str | None = None) -> list[str
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6 if many else 7, loc="center left" if many else "best",
               bbox_to_anchor=(1.0, 0.5) if many else None)
-    fig.tight_layout()
-    p = os.path.join(fig_dir, f"{name}_final_vs_N.png")
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save(fig, os.path.join(fig_dir, f"{name}_final_vs_N.png")))
 
     # 3. error vs bits sent per parameter per step (Fig. 4); one line per compressor's settings
     fig, axes = plt.subplots(1, len(ns), figsize=(4.6 * len(ns) + 2.5, 4.0), squeeze=False, sharey=True)
@@ -293,11 +294,7 @@ def figures(runs: list[dict], fig_dir: str, name: str | None = None) -> list[str
     axes[0][0].set_ylabel("test error (%)" if acc else "validation loss")
     axes[0][-1].legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.suptitle(f"{task}: {'test error' if acc else 'validation loss'} vs communication")
-    fig.tight_layout()
-    p = os.path.join(fig_dir, f"{name}_vs_bits.png")
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    paths.append(p)
+    paths.append(_save(fig, os.path.join(fig_dir, f"{name}_vs_bits.png")))
 
     # 4. how the sign vote went over training: unanimous and tied fractions of the voted coordinates
     voting = [m for m in methods if any("vote_agreement" in r for n in ns for r in groups.get((m, n), []))]
@@ -319,11 +316,7 @@ def figures(runs: list[dict], fig_dir: str, name: str | None = None) -> list[str
             ax.grid(alpha=0.3)
         axes[0][-1].legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
         fig.suptitle(f"{task}: agreement of the workers' signs (mean over seeds)")
-        fig.tight_layout()
-        p = os.path.join(fig_dir, f"{name}_vote_agreement.png")
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        paths.append(p)
+        paths.append(_save(fig, os.path.join(fig_dir, f"{name}_vote_agreement.png")))
     return paths
 
 
