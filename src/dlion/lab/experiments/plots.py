@@ -146,11 +146,13 @@ def markdown_tables(rows: list[dict]) -> list[str]:
                              f"| {n} | {d:+.3f} ({100 * d / by[('glion', n)]['mean']:+.1f} %) |")
     voting = [r for r in rows if "vote_unanimous" in r]
     if voting:
-        lines += ["", "| method | N | unanimous (% of voted coordinates) | tied (%) | unanimous if the signs were "
-                  "coin flips (%) |", "|---|---|---|---|---|"]
+        lines += ["", "| method | N | unanimous (% of voted coordinates) | tied (%) | if the signs were coin "
+                  "flips: unanimous / tied (%) |", "|---|---|---|---|---|"]
         for r in voting:
-            lines.append(f"| {r['label']} | {r['workers']} | {100 * r['vote_unanimous']:.1f} | "
-                         f"{100 * r['vote_tied']:.1f} | {100 * 2 / 2 ** r['workers']:.1f} |")
+            n = r["workers"]
+            flips = f"{100 * 2 / 2 ** n:.1f} / {100 * math.comb(n, n // 2) / 2 ** n if n % 2 == 0 else 0:.1f}"
+            lines.append(f"| {r['label']} | {n} | {100 * r['vote_unanimous']:.1f} | {100 * r['vote_tied']:.1f} | "
+                         f"{flips} |")
     return lines
 
 
@@ -310,6 +312,9 @@ def figures(runs: list[dict], fig_dir: str, name: str | None = None) -> list[str
                 ax.plot(va[0, :, 0], 100 * va[:, :, 1].mean(0), color=c, ls="-", label=f"{labels[m]}: unanimous")
                 ax.plot(va[0, :, 0], 100 * va[:, :, 2].mean(0), color=c, ls=":", label=f"{labels[m]}: tied")
             ax.axhline(100 * 2 / 2 ** n, color="grey", lw=0.8, ls="--", label="unanimous if signs were coin flips")
+            if n % 2 == 0:
+                ax.axhline(100 * math.comb(n, n // 2) / 2 ** n, color="grey", lw=0.8, ls=":",
+                           label="tied if signs were coin flips")
             ax.set_title(f"{task}, N = {n}")
             ax.set_xlabel("step")
             ax.set_ylabel("% of voted coordinates")
