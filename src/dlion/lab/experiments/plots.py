@@ -109,9 +109,11 @@ def _agreement(rs: list[dict]) -> dict:
             "vote_tied": float(np.mean([a[2] for t in tails for a in t]))}
 
 
-def _fmt(mean, std, pct):
+def _fmt(mean, std, pct, seeds=2):
     if not math.isfinite(mean):
         return "diverged"
+    if seeds < 2:  # one seed: no spread to show
+        return f"{100 * mean:.1f}" if pct else f"{mean:.3f}"
     return f"{100 * mean:.1f} ± {100 * std:.1f}" if pct else f"{mean:.3f} ± {std:.3f}"
 
 
@@ -128,7 +130,7 @@ def markdown_tables(rows: list[dict]) -> list[str]:
              "|---|---|---|" + "---|" * len(ns)]
     for m in methods:
         any_r = next(by[(m, n)] for n in ns if (m, n) in by)
-        cells = [(_fmt(by[(m, n)]["mean"], by[(m, n)]["std"], pct) + f" ({by[(m, n)]['seeds']})")
+        cells = [(_fmt(by[(m, n)]["mean"], by[(m, n)]["std"], pct, by[(m, n)]["seeds"]) + f" ({by[(m, n)]['seeds']})")
                  if (m, n) in by else "–" for n in ns]
         lines.append(f"| {any_r['label']} | {any_r['lr']:g} | {any_r['weight_decay']:g} | " + " | ".join(cells) + " |")
     lines += ["", "| method | source | " + " | ".join(f"bits sent/param/step N={n}" for n in ns) + " |",
@@ -319,7 +321,11 @@ def figures(runs: list[dict], fig_dir: str, name: str | None = None) -> list[str
             ax.set_xlabel("step")
             ax.set_ylabel("% of voted coordinates")
             ax.grid(alpha=0.3)
-        axes[0][-1].legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
+        legend = {}  # every panel's lines: a method may run at some N only
+        for ax in axes[0]:
+            for h, lab in zip(*ax.get_legend_handles_labels()):
+                legend.setdefault(lab, h)
+        axes[0][-1].legend(legend.values(), legend.keys(), fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
         fig.suptitle(f"{task}: agreement of the workers' signs (mean over seeds)")
         paths.append(_save(fig, os.path.join(fig_dir, f"{name}_vote_agreement.png")))
     return paths
