@@ -72,6 +72,14 @@ class CommStats:
         k[0] += int(round(sent))
         k[1] += int(round(received))
 
+    def add_tallies(self, tallies: list) -> None:
+        """Add vote tallies ([voted, unanimous, tied] tensors, see ``algorithms.vote_tally``)."""
+        if tallies:
+            voted, unanimous, tied = torch.stack(tallies).sum(0).tolist()
+            self.voted += voted
+            self.unanimous += unanimous
+            self.tied += tied
+
     def bits_per_param_per_step(self, num_params: int) -> float:
         """(bytes sent + received)·8 / (params · steps)."""
         if not self.steps or not num_params:

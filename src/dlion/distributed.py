@@ -452,12 +452,7 @@ class DistributedLion(Lion):
         """Apply Δ and update momenta — or, if any rank failed, change nothing anywhere."""
         outcomes = [f.outcome for f in st.flights]
         self.comm_stats.wait_s += sum(f.waited for f in st.flights)
-        tallies = [o.tally for o in outcomes if o.tally is not None]
-        if tallies:
-            voted, unanimous, tied = torch.stack(tallies).sum(0).tolist()
-            self.comm_stats.voted += voted
-            self.comm_stats.unanimous += unanimous
-            self.comm_stats.tied += tied
+        self.comm_stats.add_tallies([o.tally for o in outcomes if o.tally is not None])
         errors = [e for e in st.errors if e is not None]
         if errors:
             raise errors[0]

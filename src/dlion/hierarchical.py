@@ -444,12 +444,8 @@ class HierarchicalDistributedLion(Lion):
 
     def _finish(self, step_no: int, flights: list, rows: list, presents: list, errors: list) -> None:
         self.comm_stats.wait_s += sum(f.waited for f in flights)
-        tallies = [f.outcome.tally for f in flights if f.outcome.tally is not None]
-        if tallies:  # the votes this rank decided (its chunk of its slice, for 1bit)
-            voted, unanimous, tied = torch.stack(tallies).sum(0).tolist()
-            self.comm_stats.voted += voted
-            self.comm_stats.unanimous += unanimous
-            self.comm_stats.tied += tied
+        # the votes this rank decided (its chunk of its slice, for 1bit)
+        self.comm_stats.add_tallies([f.outcome.tally for f in flights if f.outcome.tally is not None])
         flags = 0
         for r in rows:
             flags |= _or_all(r[:, -1])

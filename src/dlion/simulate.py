@@ -161,14 +161,9 @@ def _lockstep(gens: list, stats: CommStats):
         if done:
             if nxt:
                 raise AssertionError("simulated workers disagree on the number of collectives")
-            tallies = [o.tally for o in done if o.tally is not None]
             # with the chunked 1-bit all-reduce each worker decided its own chunk (together, every
             # coordinate once); where every worker decides every coordinate, the counts are N times
             # as large and the fractions the same
-            if tallies:
-                voted, unanimous, tied = torch.stack(tallies).sum(0).tolist()
-                stats.voted += voted
-                stats.unanimous += unanimous
-                stats.tied += tied
+            stats.add_tallies([o.tally for o in done if o.tally is not None])
             return done[0]
         ops = nxt

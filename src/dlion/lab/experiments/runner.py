@@ -50,7 +50,7 @@ from dlion.lion import Lion
 from dlion.simulate import SimulatedDistributedLion
 
 from . import baselines as B
-from .tasks import Task, make_task
+from .tasks import ShakespeareTask, Task, make_task
 
 __all__ = ["METHODS", "LABELS", "GRIDS", "DEFAULTS", "make_method", "run_one", "run_key", "sweep", "tune",
            "load_runs", "run_real", "dlion_options", "MOMENTUM_SYNC_K", "parse_method", "canonical", "label", "family", "common_bits",
@@ -408,7 +408,6 @@ def _real_rank(rank: int, world_size: int, task_name: str, method: str, seed: in
 
     task = make_task(task_name)
     model = task.make_model(seed)
-    names = [n for n, _ in model.named_parameters()]
     opt = DistributedLion(model.named_parameters(), lr=hp["lr"], betas=BETAS[task_name]["lion"],
                           weight_decay=hp["weight_decay"], seed=seed, **dlion_options(parse_method(method)[0]))
     points = task.eval_points(budget, world_size)
@@ -434,7 +433,7 @@ def _real_rank(rank: int, world_size: int, task_name: str, method: str, seed: in
             points.pop(0)
             curve.append([progress, task.evaluate(model) if rank == 0 else None, progress])
     digest = torch.cat([p.detach().flatten() for p in model.parameters()])
-    return {"curve": curve, "steps": step, "seconds": round(time.time() - t0, 2), "names": names,
+    return {"curve": curve, "steps": step, "seconds": round(time.time() - t0, 2),
             "params": digest}
 
 
@@ -448,6 +447,8 @@ def run_real(task_name: str, method: str, world_size: int, seed: int, budget: in
     from ..spawn import spawn
 
     method = canonical(method)
+    if not isinstance(make_task(task_name), ShakespeareTask):
+        raise ValueError(f"the real multi-rank path runs the language-model tasks, not {task_name!r}")
     if not parse_method(method)[0].startswith(("dlion", "lioncub")):
         raise ValueError(f"the real multi-rank path runs D-Lion / Lion Cub methods, not {method!r}")
     stop_after = budget if stop_after is None else min(stop_after, budget)
