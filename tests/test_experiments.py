@@ -355,3 +355,17 @@ def test_beta2_variant_of_a_lion_method():
         m = make_method(spec, list(model.parameters()), 1, {"lr": 0.1, "weight_decay": 0.0}, "charlm", 0, 10)
         m.step([torch.tensor([[[2.0, -4.0]]])])
         assert m.sim.momenta[0][0].tolist() == [(torch.tensor([2.0, -4.0]) * (1 - b2)).tolist()]
+
+
+def test_quant_bits_variant_of_lion_cub():
+    assert canonical("lioncub_quant:bits=4") == "lioncub_quant:bits=4"
+    assert canonical("lioncub_quant") == "lioncub_quant"  # 8 bits, the records' existing key
+    assert label("lioncub_quant:bits=4") == "Lion Cub quant (L1, 4b)"
+    for bad in ("dlion_mavo:bits=4", "lioncub_quant:bits=3", "lioncub_quant:bits=x", "lioncub_quant:bits=4:clip=1"):
+        with pytest.raises(ValueError):
+            canonical(bad)
+    # the width reaches the aggregation: s = ⌊(2^(b−1) − 1)/N⌋ levels at N = 4
+    model = torch.nn.Linear(2, 1, bias=False)
+    for spec, s in (("lioncub_quant", 31), ("lioncub_quant:bits=4", 1), ("lioncub_quant:bits=8", 31)):
+        m = make_method(spec, list(model.parameters()), 4, {"lr": 0.1, "weight_decay": 0.0}, "charlm", 0, 10)
+        assert m.sim.quant_levels == s

@@ -23,7 +23,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from .runner import METHODS, beta2_of, common_bits, dgc_clip, is_legacy, label, parse_method
+from .runner import METHODS, beta2_of, common_bits, dgc_clip, is_legacy, label, parse_method, quant_bits_of
 
 __all__ = ["summarize", "report", "markdown_tables"]
 
@@ -43,6 +43,8 @@ def _line(m):
     b = _base(m)
     if beta2_of(m) is not None:
         return f"{b}:b2={beta2_of(m):g}"
+    if quant_bits_of(m) is not None:
+        return f"{b}:bits={quant_bits_of(m)}"
     clip = dgc_clip(m) if b == "dgc" else None
     return b if clip is None else f"{b}:clip={clip:g}"
 
@@ -303,6 +305,14 @@ def figures(runs: list[dict], fig_dir: str, name: str | None = None) -> list[str
     # 4. how the sign vote went over training: unanimous and tied fractions of the voted coordinates
     voting = [m for m in methods if any("vote_agreement" in r for n in ns for r in groups.get((m, n), []))]
     if voting:
+        # the variants of one base (β2, ties) share its colour elsewhere; here each needs its own
+        palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        vote_color = {}
+        for m in voting:
+            c = style[m][0]
+            if c in vote_color.values():
+                c = next(p for p in palette if p not in vote_color.values())
+            vote_color[m] = c
         fig, axes = plt.subplots(1, len(ns), figsize=(4.6 * len(ns) + 2.5, 3.6), squeeze=False)
         for ax, n in zip(axes[0], ns):
             for m in voting:
@@ -310,7 +320,7 @@ def figures(runs: list[dict], fig_dir: str, name: str | None = None) -> list[str
                 if not recs:
                     continue
                 va = np.array([r["vote_agreement"] for r in recs], dtype=float)  # (seeds, points, 3)
-                c, _, ls = style[m]
+                c = vote_color[m]
                 ax.plot(va[0, :, 0], 100 * va[:, :, 1].mean(0), color=c, ls="-", label=f"{labels[m]}: unanimous")
                 ax.plot(va[0, :, 0], 100 * va[:, :, 2].mean(0), color=c, ls=":", label=f"{labels[m]}: tied")
             ax.axhline(100 * 2 / 2 ** n, color="grey", lw=0.8, ls="--", label="unanimous if signs were coin flips")

@@ -54,7 +54,7 @@ from .tasks import ShakespeareTask, Task, make_task
 
 __all__ = ["METHODS", "LABELS", "GRIDS", "DEFAULTS", "make_method", "run_one", "run_key", "sweep", "tune",
            "load_runs", "run_real", "dlion_options", "MOMENTUM_SYNC_K", "parse_method", "canonical", "label", "family", "common_bits",
-           "dgc_clip", "beta2_of", "BITS_AXIS"]
+           "dgc_clip", "beta2_of", "quant_bits_of", "BITS_AXIS"]
 
 MOMENTUM_SYNC_K = 32
 BITS_AXIS = "per_rank_sent"
@@ -89,6 +89,11 @@ def parse_method(spec: str) -> tuple[str, Optional[float]]:
         if base not in METHODS or FAMILY[base] != "lion" or extra:
             raise ValueError(f"only a Lion-family method takes b2=BETA2, as its only field, got {spec!r}")
         beta2_of(spec)
+        return base, None
+    if arg.startswith("bits="):  # Lion Cub's quantised aggregation with another field width: "lioncub_quant:bits=4"
+        if base != "lioncub_quant" or extra:
+            raise ValueError(f"only lioncub_quant takes bits=B, as its only field, got {spec!r}")
+        quant_bits_of(spec)
         return base, None
     if extra:
         if base != "dgc":
@@ -146,11 +151,23 @@ def beta2_of(spec: str) -> Optional[float]:
     return b2
 
 
+def quant_bits_of(spec: str) -> Optional[int]:
+    """The field width B of a spec ``lioncub_quant:bits=B`` (2, 4 or 8); None without one (8 bits)."""
+    field_ = spec.partition(":")[2]
+    if not field_.startswith("bits="):
+        return None
+    if field_[5:] not in ("2", "4", "8"):
+        raise ValueError(f"bits must be 2, 4 or 8, got {spec!r}")
+    return int(field_[5:])
+
+
 def canonical(spec: str) -> str:
     """The spec with its parameter written out: ``"dgc"`` → ``"dgc:0.001"``."""
     base, arg = parse_method(spec)
     if beta2_of(spec) is not None:
         return f"{base}:b2={beta2_of(spec):g}"
+    if quant_bits_of(spec) is not None:
+        return f"{base}:bits={quant_bits_of(spec)}"
     if arg is None:
         return base
     clip = dgc_clip(spec) if base == "dgc" else None
@@ -171,6 +188,8 @@ def label(spec: str, legacy: bool = False) -> str:
             text += f", clip {dgc_clip(spec):g}"
     elif beta2_of(spec) is not None:
         text += f", β2 = {beta2_of(spec):g}"
+    elif quant_bits_of(spec) is not None:
+        text = text.replace("8b", f"{quant_bits_of(spec)}b")
     elif base.startswith("powersgd") and ":" in spec:
         text = f"PowerSGD r={arg} + " + ("Lion" if base.endswith("lion") else "AdamW")
     if legacy and base in ("dgc", "graddrop"):
@@ -280,15 +299,16 @@ class GlobalMethod:
                 "bits_axis": BITS_AXIS, "bits_source": "counted (formula)"}
 
 
-def dlion_options(name: str) -> dict:
+def dlion_options(spec: str) -> dict:
     """The options of :class:`dlion.DistributedLion` (and of its simulated twin) for a D-Lion / Lion Cub method."""
+    name = parse_method(spec)[0]
     kw = dict(vote="mavo", comm="1bit")
     if name == "dlion_avg":
         kw["vote"] = "avg"
     elif name == "dlion_mavo_rties":
         kw["ties"] = "random"
     elif name == "lioncub_quant":
-        kw.update(aggregate="quantized", quant_norm="l1", quant_bits=8)
+        kw.update(aggregate="quantized", quant_norm="l1", quant_bits=quant_bits_of(spec) or 8)
     elif name == "lioncub_msync":
         kw.update(momentum_sync=MOMENTUM_SYNC_K)
     elif name != "dlion_mavo":
@@ -299,9 +319,9 @@ def dlion_options(name: str) -> dict:
 class SimMethod:
     """D-Lion / Lion Cub through :class:`SimulatedDistributedLion`."""
 
-    def __init__(self, name, params, world_size, hp, betas, seed):
+    def __init__(self, spec, params, world_size, hp, betas, seed):
         self.sim = SimulatedDistributedLion(params, world_size, lr=hp["lr"], betas=betas["lion"],
-                                            weight_decay=hp["weight_decay"], seed=seed, **dlion_options(name))
+                                            weight_decay=hp["weight_decay"], seed=seed, **dlion_options(spec))
         self.world_size = world_size
         self.base_lr = hp["lr"]
         self._tally = (0, 0, 0)
@@ -333,7 +353,7 @@ def make_method(spec, params, world_size, hp, task_name, seed, total_steps):
         betas = dict(betas, lion=(betas["lion"][0], beta2_of(spec)))
     name = parse_method(spec)[0]
     if name.startswith(("dlion", "lioncub")):
-        return SimMethod(name, params, world_size, hp, betas, seed)
+        return SimMethod(spec, params, world_size, hp, betas, seed)
     return GlobalMethod(spec, params, world_size, hp, betas, seed, total_steps)
 
 
@@ -409,7 +429,7 @@ def _real_rank(rank: int, world_size: int, task_name: str, method: str, seed: in
     task = make_task(task_name)
     model = task.make_model(seed)
     opt = DistributedLion(model.named_parameters(), lr=hp["lr"], betas=BETAS[task_name]["lion"],
-                          weight_decay=hp["weight_decay"], seed=seed, **dlion_options(parse_method(method)[0]))
+                          weight_decay=hp["weight_decay"], seed=seed, **dlion_options(method))
     points = task.eval_points(budget, world_size)
     curve, step, t0 = [], 0, time.time()
 
