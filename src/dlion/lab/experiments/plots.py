@@ -4,6 +4,8 @@ Figures, per task (``results_<task>_*.png``):
 
 ``curves``       the metric vs epoch (or step), one panel per N, mean over seeds;
 ``final_vs_N``   the final metric vs N, mean ± std over seeds;
+``equivalent_workers``  G-Lion's final metric vs N with D-Lion MaVo's drawn at N and at
+                 N' = κ_N² (:mod:`.vote_efficiency`), where G-Lion ran at two N or more;
 ``vs_bits``      test error (1 − accuracy) or validation loss vs the bits one rank
                  sends per parameter per step (counted; log x), one panel per N; the
                  settings of one compressor (densities, ranks) are joined by a line,
@@ -23,6 +25,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from .vote_efficiency import equivalence, equivalence_lines
 from .runner import METHODS, beta2_of, common_bits, dgc_clip, is_legacy, label, parse_method, quant_bits_of
 
 __all__ = ["summarize", "report", "markdown_tables"]
@@ -306,15 +309,16 @@ def figures(runs: list[dict], fig_dir: str, name: str | None = None) -> list[str
     voting = [m for m in methods if any("vote_agreement" in r for n in ns for r in groups.get((m, n), []))]
     if voting:
         # the variants of one base (β2, ties) share its colour elsewhere; here each needs its own
-        palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        palette = ["#8c6d31", "#637939", "#7b4173", "#3182bd", "#e6550d", "#31a354"]  # none of COLORS
         vote_color = {}
-        for m in voting:
+        for m in sorted(voting, key=lambda m: ":" in m):  # a base method keeps its colour, a variant gets a new one
             c = style[m][0]
             if c in vote_color.values():
                 c = next(p for p in palette if p not in vote_color.values())
             vote_color[m] = c
-        fig, axes = plt.subplots(1, len(ns), figsize=(4.6 * len(ns) + 2.5, 3.6), squeeze=False)
-        for ax, n in zip(axes[0], ns):
+        vns = [n for n in ns if any("vote_agreement" in r for m in voting for r in groups.get((m, n), []))]
+        fig, axes = plt.subplots(1, len(vns), figsize=(4.6 * len(vns) + 2.5, 3.6), squeeze=False)
+        for ax, n in zip(axes[0], vns):
             for m in voting:
                 recs = [r for r in groups.get((m, n), []) if "vote_agreement" in r]
                 if not recs:
@@ -341,6 +345,38 @@ def figures(runs: list[dict], fig_dir: str, name: str | None = None) -> list[str
     return paths
 
 
+def equivalence_figure(rows: list[dict], eq: list[dict], path: str) -> str | None:
+    """G-Lion's final metric against N, with MaVo's measured values drawn at N and at N' = κ_N²."""
+    ref = sorted((r["workers"], r["mean"]) for r in rows if r["method"] == "glion")
+    if len(ref) < 2 or not eq:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.2, 4.0))
+    ax.plot([n for n, _ in ref], [v for _, v in ref], "o-", color=COLORS["glion"], label="G-Lion at N workers")
+    mavo = COLORS["dlion_mavo"]
+    ax.plot([e["workers"] for e in eq], [e["measured"] for e in eq], "*", ms=11, mfc="none", color=mavo,
+            label="D-Lion MaVo, drawn at its N")
+    ax.plot([e["equivalent_workers"] for e in eq], [e["measured"] for e in eq], "*", ms=11, color=mavo,
+            label="D-Lion MaVo, drawn at N' = κ_N²")
+    for e in eq:
+        ax.annotate("", xy=(e["equivalent_workers"], e["measured"]), xytext=(e["workers"], e["measured"]),
+                    arrowprops=dict(arrowstyle="->", color=mavo, lw=0.8))
+    ax.set_xscale("log")
+    ns = sorted({n for n, _ in ref} | {e["workers"] for e in eq})
+    ax.set_xticks(ns, [str(n) for n in ns])
+    ax.minorticks_off()
+    ax.set_xlabel("workers N (log scale)")
+    ax.set_ylabel(f"final {rows[0]['metric']}")
+    ax.set_title("A majority vote of N signs is worth κ_N² workers' mean")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
 def report(runs: list[dict], out_dir: str, fig_dir: str, fig_name: str | None = None) -> list[str]:
     """Write summary.csv, summary.json and the figures; return the Markdown tables."""
     rows = summarize(runs)
@@ -352,4 +388,12 @@ def report(runs: list[dict], out_dir: str, fig_dir: str, fig_name: str | None = 
         w.writeheader()
         w.writerows(rows)
     paths = figures(runs, fig_dir, fig_name)
-    return markdown_tables(rows) + [""] + [f"figure: {p}" for p in paths]
+    lines = markdown_tables(rows)
+    eq = equivalence(rows)
+    if len({r["workers"] for r in rows if r["method"] == "glion"}) >= 2 and eq:
+        with open(os.path.join(out_dir, "equivalent_workers.json"), "w") as f:
+            json.dump(eq, f, indent=1)
+        name = fig_name or f"results_{runs[0]['task']}"
+        paths.append(equivalence_figure(rows, eq, os.path.join(fig_dir, f"{name}_equivalent_workers.png")))
+        lines += [""] + equivalence_lines(eq)
+    return lines + [""] + [f"figure: {p}" for p in paths]
