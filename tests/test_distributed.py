@@ -79,6 +79,11 @@ def test_matches_simulated_workers_and_ranks_agree_bitwise(world):
     for c, cfg in enumerate(CONFIGS):
         ranks = [r[c] for r in results]
         expected = simulate(world, cfg, ranks[0]["layout"])
+        n_buckets = 0 if world == 1 else 1 + max(w[0] for w in ranks[0]["layout"] if w is not None)
+        for res in ranks:  # the algorithm asked for, in every bucket (comm="auto" in this test's set-up: one of them)
+            want = cfg.get("comm", "1bit")
+            assert len(res["algorithms"]) == n_buckets and all(
+                a == want if want != "auto" else a in ("1bit", "allgather", "pbit") for a in res["algorithms"])
         for rank, res in enumerate(ranks):
             for k, (got, want) in enumerate(zip(res["params"], expected)):
                 assert torch.equal(got, want), f"{cfg} rank {rank} parameter {k} differs from the simulation"

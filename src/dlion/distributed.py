@@ -325,6 +325,12 @@ class DistributedLion(Lion):
                 where[i] = (b.index, off, b.padded)
         return [where.get(i) for i in range(len(self._params))]
 
+    @property
+    def algorithm_names(self) -> list[str]:
+        """The collective algorithm of each bucket (``comm="auto"`` chooses per bucket); empty
+        without a process group or at world size 1."""
+        return [a.name for a in getattr(self, "_algorithms", [])]
+
     # -- step 1: this rank's contribution -----------------------------------------
     def _digest(self, group: dict) -> int:
         """31-bit digest of the per-step hyperparameters a rank applies to a group."""

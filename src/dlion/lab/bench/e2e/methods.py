@@ -302,7 +302,7 @@ class MethodRun:
                 extra = {"inter_node_bytes_sent_per_step": sent, "intra_node_bytes_sent_per_step": intra}
                 sent, received = sent + intra, received + intra
             extra.update({"buckets": len(self.opt.buckets),
-                     "algorithms": sorted({a.name for a in self.opt._algorithms}),
+                     "algorithms": sorted(set(self.opt.algorithm_names)),
                      "profile_ms_per_step": self.profile_ms})
             self.opt.check_replicas()  # the replicas must still be bitwise identical
         if getattr(self, "uplink_bytes", None) is not None:
