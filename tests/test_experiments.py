@@ -79,6 +79,12 @@ def test_tune_writes_config_and_sweep_reads_it(tmp_path):
                  "--quiet", "--out", out, "--config", os.path.join(out, "tuned.json")]) == 0
     (rec,) = load_runs(os.path.join(out, "runs.jsonl"))
     assert rec["lr"] == chosen["lr"] and rec["weight_decay"] == chosen["weight_decay"]
+    # --lrs replaces the grid's learning rates (the runs already there are reused, not re-run)
+    assert main(["--task", "mnist1d", "--methods", "dlion_avg", "--workers", "2", "--seeds", "0", "--steps", "2",
+                 "--tune", "--quiet", "--out", out, "--lrs", "0.5,1e-3"]) == 0
+    config = json.load(open(os.path.join(out, "tuned.json")))
+    assert [g["lr"] for g in config["methods"]["dlion_avg"]["grid"]] == [0.5, 1e-3]
+    assert len(load_runs(os.path.join(out, "tune_runs.jsonl"))) == len(chosen["grid"]) + 1
 
 
 def test_bad_flags():
@@ -92,6 +98,8 @@ def test_bad_flags():
         main(["--methods", "powersgd_lion:1.5"])  # a fractional rank
     with pytest.raises(SystemExit):
         main(["--methods", "glion:3"])        # no parameter to give
+    with pytest.raises(SystemExit):
+        main(["--lrs", "0,1e-3"])             # a learning rate must be positive
 
 
 def test_shakespeare_per_worker_gradients_match_a_loop():

@@ -49,6 +49,16 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
 
 
+def _floats(text: str) -> list[float]:
+    try:
+        values = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
+    if not values or any(not v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
 def _methods(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     if names == ["all"]:
@@ -79,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fig-dir", default=None, help="where the PNG figures go (default: --out)")
     p.add_argument("--fig-name", default=None,
                    help="figure files are FIG_NAME_{curves,final_vs_N,vs_bits}.png (default: results_TASK)")
+    p.add_argument("--lrs", type=_floats, default=None,
+                   help="--tune: search these learning rates instead of the family's grid (e.g. to extend it "
+                        "past an edge where the best value landed); weight decay as in the grid")
     p.add_argument("--config", default=None, help="tuned hyperparameters (JSON written by --tune)")
     p.add_argument("--resume", action="store_true", help="continue a sweep: skip runs already in runs.jsonl")
     p.add_argument("--tune", action="store_true",
@@ -118,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.tune:
         path = os.path.join(args.out, "tune_runs.jsonl")
-        config = tune(task, args.methods, args.workers[0], args.seeds[0], budget, path, quiet=args.quiet)
+        config = tune(task, args.methods, args.workers[0], args.seeds[0], budget, path, quiet=args.quiet,
+                      lrs=args.lrs)
         out = os.path.join(args.out, "tuned.json")
         with open(out, "w") as f:
             json.dump(config, f, indent=1)

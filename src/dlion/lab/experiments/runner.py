@@ -235,7 +235,8 @@ GRIDS = {
     "shakespeare": {"lion": {"lr": [1e-3, 3e-3, 1e-2, 3e-2], "weight_decay": [0.1]},
                     "adamw": {"lr": [1e-2, 3e-2, 1e-1], "weight_decay": [0.1]},
                     "sgdm": {"lr": [0.01, 0.03, 0.1, 0.3, 1.0], "weight_decay": [0.0]}},
-    # every family gets the same width: three values a factor √10 apart
+    # every family gets the same width: three values a factor √10 apart (extended past an edge
+    # with `--tune --lrs` where the best landed there; docs/results.md says where)
     "charlm": {"lion": {"lr": [3e-5, 1e-4, 3e-4], "weight_decay": [0.1]},
                "adamw": {"lr": [3e-4, 1e-3, 3e-3], "weight_decay": [0.1]},
                "sgdm": {"lr": [0.03, 0.1, 0.3], "weight_decay": [0.0]}},
@@ -564,9 +565,10 @@ def sweep(task: str, methods, workers, seeds, budget: int, runs_path: str, confi
 
 
 def tune(task: str, methods, world_size: int, seed: int, budget: int, runs_path: str,
-         quiet: bool = False) -> dict:
+         quiet: bool = False, lrs=None) -> dict:
     """Grid search per method at one N on a held-out part of the training data;
     returns the config ``{"methods": {method: {lr, weight_decay, score, grid}}}``.
+    ``lrs`` replaces the family grid's learning rates.
     Runs are appended to ``runs_path`` and skipped when already there (resumable)."""
     from itertools import product
 
@@ -576,7 +578,7 @@ def tune(task: str, methods, world_size: int, seed: int, budget: int, runs_path:
     methods = [canonical(m) for m in methods]
     for method in methods:
         g = GRIDS[task][family(method)]
-        for lr, wd in product(g["lr"], g["weight_decay"]):
+        for lr, wd in product(lrs or g["lr"], g["weight_decay"]):
             hp = {"lr": lr, "weight_decay": wd}
             jobs.append((method, hp, run_key(task, method, world_size, seed, budget, hp, tune=True)))
     bar = _progress(len(jobs), f"{task} tune N={world_size}", quiet)
