@@ -49,7 +49,8 @@ def hier_worker(rank, world, shape, configs):
             opt.step()
             history.append([p.detach().clone() for p in params])
         out.append(dict(history=history, layout=opt.bucket_layout(), stats=opt.comm_stats.state_dict(),
-                        momentum_numel=opt.momentum_numel, num_params=opt.num_params))
+                        momentum_numel=opt.momentum_numel, num_params=opt.num_params,
+                        algorithms=opt.algorithm_names))
     return out
 
 
@@ -152,6 +153,11 @@ def test_two_nodes_of_two_ranks_match_the_literal_reference_and_agree_bitwise_af
             assert torch.equal(got, want), f"{cfg}: parameter {k} differs from the literal reference"
         if not cfg.get("dense"):  # the parameter no rank has a gradient for is untouched
             assert torch.equal(ranks[0]["history"][-1][2], init_params(0)[2])
+        # the collective among the nodes, per bucket
+        want = "quantized" if cfg.get("aggregate") == "quantized" else cfg.get("comm", "1bit")
+        for res in ranks:
+            assert res["algorithms"] and all(a == want if want != "auto" else a in ("1bit", "allgather", "pbit")
+                                             for a in res["algorithms"])
         # one momentum per node, sharded: the node's two ranks hold complementary halves
         n = ranks[0]["num_params"]
         assert ranks[0]["momentum_numel"] + ranks[1]["momentum_numel"] == n

@@ -303,6 +303,11 @@ class HierarchicalDistributedLion(Lion):
                 where[i] = (b.index, off, b.padded)
         return [where.get(i) for i in range(len(self._params))]
 
+    @property
+    def algorithm_names(self) -> list[str]:
+        """The collective algorithm of each bucket slice among the nodes; empty with a single node."""
+        return [a.name for a in getattr(self, "_algorithms", [])]
+
     # -- the step ---------------------------------------------------------------
     _step_supports_amp_scaling = True
 

@@ -185,6 +185,16 @@ def _styles(methods):
     return out
 
 
+def _legend(axes, outside: bool = True) -> None:
+    """One legend, on the last panel, of every panel's lines: a method may run at some N only."""
+    entries = {}
+    for ax in axes:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(lab, h)
+    axes[-1].legend(entries.values(), entries.keys(), fontsize=6, loc="center left" if outside else "best",
+                    bbox_to_anchor=(1.0, 0.5) if outside else None)
+
+
 def _save(fig, path: str) -> str:
     import matplotlib.pyplot as plt
 
@@ -234,7 +244,7 @@ def figures(runs: list[dict], fig_dir: str, name: str | None = None) -> list[str
         if not acc:
             lo = min(np.nanmin(_mean_curve(groups[(m, n)])[1]) for m in methods if (m, n) in groups)
             ax.set_ylim(lo - 0.05, lo + 1.5)
-    axes[0][-1].legend(fontsize=6, loc="center left" if many else "best", bbox_to_anchor=(1.0, 0.5) if many else None)
+    _legend(axes[0], outside=many)
     paths.append(_save(fig, os.path.join(fig_dir, f"{name}_curves.png")))
 
     rows = summarize(runs)
@@ -301,7 +311,7 @@ def figures(runs: list[dict], fig_dir: str, name: str | None = None) -> list[str
         ax.set_title(f"N = {n}")
         ax.grid(alpha=0.3, which="both")
     axes[0][0].set_ylabel("test error (%)" if acc else "validation loss")
-    axes[0][-1].legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    _legend(axes[0])
     fig.suptitle(f"{task}: {'test error' if acc else 'validation loss'} vs communication")
     paths.append(_save(fig, os.path.join(fig_dir, f"{name}_vs_bits.png")))
 
@@ -335,11 +345,7 @@ def figures(runs: list[dict], fig_dir: str, name: str | None = None) -> list[str
             ax.set_xlabel("step")
             ax.set_ylabel("% of voted coordinates")
             ax.grid(alpha=0.3)
-        legend = {}  # every panel's lines: a method may run at some N only
-        for ax in axes[0]:
-            for h, lab in zip(*ax.get_legend_handles_labels()):
-                legend.setdefault(lab, h)
-        axes[0][-1].legend(legend.values(), legend.keys(), fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
+        _legend(axes[0])
         fig.suptitle(f"{task}: agreement of the workers' signs (mean over seeds)")
         paths.append(_save(fig, os.path.join(fig_dir, f"{name}_vote_agreement.png")))
     return paths
