@@ -210,6 +210,7 @@ class DistributedLion(Lion):
         self._group_of = [g for g in self.param_groups for _ in g["params"]]
         self.num_params = sum(p.numel() for p in self._params if p.requires_grad)
         self.buckets: list[Bucket] = []
+        self._algorithms: list = []
         self._buffers: list[RankBuffers] = []
         self._wire: list[WireState] = []
         self._sync = True
@@ -329,7 +330,7 @@ class DistributedLion(Lion):
     def algorithm_names(self) -> list[str]:
         """The collective algorithm of each bucket (``comm="auto"`` chooses per bucket); empty
         without a process group or at world size 1."""
-        return [a.name for a in getattr(self, "_algorithms", [])]
+        return [a.name for a in self._algorithms]
 
     # -- step 1: this rank's contribution -----------------------------------------
     def _digest(self, group: dict) -> int:

@@ -194,6 +194,7 @@ class HierarchicalDistributedLion(Lion):
         self.num_params = sum(p.numel() for p in self._params if p.requires_grad)
         self.buckets: list[Bucket] = []
         self._slices: list[_Slice] = []
+        self._algorithms: list = []
         self._wire: list[WireState] = []
         if self.world_size > 1:
             self._check_same_model()
@@ -306,7 +307,7 @@ class HierarchicalDistributedLion(Lion):
     @property
     def algorithm_names(self) -> list[str]:
         """The collective algorithm of each bucket slice among the nodes; empty with a single node."""
-        return [a.name for a in getattr(self, "_algorithms", [])]
+        return [a.name for a in self._algorithms]
 
     # -- the step ---------------------------------------------------------------
     _step_supports_amp_scaling = True

@@ -1,8 +1,8 @@
 """How many workers a majority vote of signs is worth.
 
 Per coordinate, write worker i's pre-sign value as c_i = μ + σ·ε_i with independent
-standard-normal ε_i. G-Lion steps by sign(Σ c_i) (the mean of the workers' c is exactly
-G-Lion's c, because Lion's momentum is linear in the gradients); D-Lion MaVo steps by
+standard-normal ε_i. G-Lion steps by sign(Σ c_i) (along one parameter trajectory the mean of
+the workers' c is exactly G-Lion's c: Lion's momentum is linear in the gradients); MaVo steps by
 sign(S), S = Σ sign(c_i). With p = P(c_i > 0) ≈ ½ + φ(0)·μ/σ, their expected steps along
 sign(μ) are, to first order in a weak signal μ/σ:
 
@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import numpy as np
+
 __all__ = ["kappa", "equivalent_workers", "interpolate", "equivalence", "equivalence_lines"]
 
 
@@ -43,15 +45,9 @@ def interpolate(points: dict, n: float) -> Optional[float]:
     """The value at n of the piecewise-linear interpolation in log N of ``points`` ({N: value});
     None outside the measured range."""
     ns = sorted(points)
-    if not ns or n < ns[0] or n > ns[-1]:
+    if not ns or not ns[0] <= n <= ns[-1]:
         return None
-    for lo, hi in zip(ns, ns[1:] + ns[-1:]):
-        if lo <= n <= hi:
-            if hi == lo:
-                return float(points[lo])
-            t = (math.log(n) - math.log(lo)) / (math.log(hi) - math.log(lo))
-            return float(points[lo] + t * (points[hi] - points[lo]))
-    return None
+    return float(np.interp(math.log(n), [math.log(k) for k in ns], [points[k] for k in ns]))
 
 
 def equivalence(rows: list[dict], vote: str = "dlion_mavo", reference: str = "glion") -> list[dict]:
