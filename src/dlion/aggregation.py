@@ -32,13 +32,14 @@ abstained in this bucket this step (``zeros``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .codec import FieldCodec, SignCodec, TritCodec, bits_for
 
-__all__ = ["VoteRule", "tie_coins", "VOTES", "TIES"]
+__all__ = ["VoteRule", "tie_coins", "tie_coins_at", "VOTES", "TIES"]
 
 VOTES = ("mavo", "avg")
 TIES = ("zero", "random")
@@ -60,8 +61,12 @@ def coin_key(seed: int, step: int, bucket: int) -> int:
 def tie_coins(key: int, start: int, n: int, device=None) -> Tensor:
     """±1 (int8) for coordinates start … start+n−1: bit 0 of a 32-bit integer hash
     of (key, index). Uses only int64 products below 2^63, so CPU and CUDA agree."""
-    x = torch.arange(start, start + n, dtype=torch.int64, device=device)
-    x = (x ^ key) & _MASK32
+    return tie_coins_at(key, torch.arange(start, start + n, dtype=torch.int64, device=device))
+
+
+def tie_coins_at(key: int, index: Tensor) -> Tensor:
+    """:func:`tie_coins` for arbitrary (int64) coordinates ``index``."""
+    x = (index ^ key) & _MASK32
     x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
     x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
     x = (x >> 16) ^ x
@@ -86,15 +91,18 @@ class VoteRule:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
 
     # -- the rule -----------------------------------------------------------
-    def decide(self, s: Tensor, nz: Tensor, *, key: int = 0, start: int = 0) -> Tensor:
-        """Codes for coordinates start … start+len(s)−1 from their (s, nz)."""
+    def decide(self, s: Tensor, nz: Tensor, *, key: int = 0, start: int = 0,
+               index: Optional[Tensor] = None) -> Tensor:
+        """Codes for coordinates start … start+len(s)−1 (or ``index``, where the values
+        were gathered from elsewhere in the bucket) from their (s, nz)."""
         if self.vote == "avg":
             return s.to(torch.int16)
         code = torch.sign(s).to(torch.int8)
         if self.ties == "random":
             tie = (s == 0) & (nz > 0)
             if bool(tie.any()):
-                coins = tie_coins(key, start, s.numel(), device=s.device)
+                coins = (tie_coins(key, start, s.numel(), device=s.device) if index is None
+                         else tie_coins_at(key, index.to(s.device)))
                 code = torch.where(tie, coins, code)
         return code
 

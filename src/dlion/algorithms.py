@@ -55,7 +55,7 @@ from .collectives import bytes_moved, field_width, pack_fields, unpack_fields
 
 __all__ = ["Contribution", "Outcome", "WireState", "Algorithm", "OneBit", "AllGather", "PBit", "Quantized",
            "ALGORITHMS", "make_algorithm", "choose_algorithm", "LATENCY_BYTES", "BAD", "NONFINITE",
-           "zero_runs", "runs_mask", "padded_length"]
+           "zero_runs", "runs_mask", "padded_length", "run_compacted"]
 
 BAD, NONFINITE = 1, 2          # status bits a rank reports for a bucket
 _ABSTAINS, _FITS, _OVERFLOW = 4, 8, 16
@@ -72,6 +72,12 @@ class Contribution:
     has_grad: Tensor        # bool, one per parameter of the bucket
     status: int = 0         # BAD | NONFINITE
     digest: int = 0         # hyperparameter digest (31 bits): must be equal on every rank
+    #: int64, the bucket coordinate of each value when the values were gathered from parts of the
+    #: bucket (:func:`run_compacted`): the tie coins follow it; None means values[i] is coordinate i
+    positions: Optional[Tensor] = None
+
+    def index(self, lo: int, n: int) -> Optional[Tensor]:
+        return None if self.positions is None else self.positions[lo:lo + n]
 
 
 @dataclass
@@ -355,7 +361,7 @@ class OneBit(Algorithm):
             return out
         s, nz = self._count(payloads[:, :codec.nbytes(c)], fmt, N, c, _runs_table(hdrs, k, fmt, info), cap, lo,
                             numel, info["abstains"])
-        mine = self.rule.decide(s, nz, key=key, start=lo)
+        mine = self.rule.decide(s, nz, key=key, start=lo, index=contrib.index(lo, c))
         out.tally = vote_tally(s, nz, N, numel - lo)
         # way back: every rank gathers every chunk's codes
         codec = self._codes_codec(info["abstains"], state.down)
@@ -415,7 +421,7 @@ class AllGather(Algorithm):
             return out
         s, nz = self._count(payloads[:, :codec.nbytes(n)], fmt, N, n, _runs_table(hdrs, k, fmt, info), cap, 0,
                             numel, info["abstains"])
-        out.codes = self.rule.decide(s, nz, key=key, start=0)
+        out.codes = self.rule.decide(s, nz, key=key, start=0, index=contrib.index(0, n))
         out.tally = vote_tally(s, nz, N, numel)
         return out
 
@@ -497,7 +503,7 @@ class PBit(Algorithm):
         else:
             s = t.to(torch.int16).mul_(2).sub_(N)
             nz = torch.full_like(s, N)
-        out.codes = self.rule.decide(s, nz, key=key, start=0)
+        out.codes = self.rule.decide(s, nz, key=key, start=0, index=contrib.index(0, n))
         out.tally = vote_tally(s, nz, N, numel)
         return out
 
@@ -529,6 +535,44 @@ class Quantized(Algorithm):
         if not (info["bad"] or info["nonfinite"] or not info["digests_agree"]):
             out.codes = torch.sign(total[:n].to(torch.int32) - s * N).to(torch.int8)
         return out
+
+
+def run_compacted(alg: Algorithm, state: WireState, contrib: Contribution, rank: int, key: int,
+                  skipped: Tensor, kept: list[tuple[int, int]]) -> Generator:
+    """``alg.run`` on the coordinates ``kept`` (ranges of the bucket) only, leaving out the
+    parameters ``skipped`` (bool per parameter) that every rank expects no rank to have a
+    gradient for — those with none on any rank in the previous step.
+
+    A left-out parameter costs its bit in the header's has-gradient bitmap and nothing
+    else. If some rank has a gradient for one after all, every rank sees it in that
+    bitmap after the first collective, and the whole bucket is exchanged again (one more
+    exchange of this bucket in this step). Either way the codes are those ``alg.run``
+    gives on the whole bucket, bitwise: a coordinate no rank votes on gets 0, and the tie
+    coins are drawn at the original coordinates."""
+    if not bool(skipped.any()):
+        return (yield from alg.run(state, contrib, rank, key))
+    values, dev = contrib.values, contrib.values.device
+    m = sum(hi - lo for lo, hi in kept)
+    n = padded_length(m, alg.world)
+    sub = values.new_zeros(n)
+    positions = torch.arange(values.numel(), values.numel() + n, dtype=torch.int64, device=dev)  # padding: unused
+    at = 0
+    for lo, hi in kept:
+        sub[at:at + hi - lo] = values[lo:hi]
+        positions[at:at + hi - lo] = torch.arange(lo, hi, dtype=torch.int64, device=dev)
+        at += hi - lo
+    out = yield from alg.run(state, Contribution(sub, m, contrib.has_grad, contrib.status, contrib.digest,
+                                                 positions), rank, key)
+    if bool((out.has_grad & skipped).any()):  # a rank has a gradient for a left-out parameter
+        return (yield from alg.run(state, contrib, rank, key))
+    if out.codes is not None:
+        codes = out.codes.new_zeros(values.numel())
+        at = 0
+        for lo, hi in kept:
+            codes[lo:hi] = out.codes[at:at + hi - lo]
+            at += hi - lo
+        out.codes = codes
+    return out
 
 
 def _pad4(nbytes: int) -> int:
