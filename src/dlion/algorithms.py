@@ -37,7 +37,11 @@ rank sees its overflow bit after the first collective, the bucket is re-sent as
 base-3 digits (1.6 bits) and stays so until everyone's runs fit again (half the
 capacity). The codes come back the same way: ±1 as 1 bit plus the zero runs of
 the result (where every rank abstained, or a tie gave 0), base-3 only when those
-runs do not fit.
+runs do not fit — unless every abstention is a whole parameter without
+gradient: then every rank knows each coordinate's number of voters from the
+headers' bitmaps and the codes come back in the bits that number allows
+(:class:`_ByVoters`). :func:`run_compacted` leaves the parameters no rank had a
+gradient for in the previous step out of the payload altogether.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ __all__ = ["Contribution", "Outcome", "WireState", "Algorithm", "OneBit", "AllGa
 
 BAD, NONFINITE = 1, 2          # status bits a rank reports for a bucket
 _ABSTAINS, _FITS, _OVERFLOW = 4, 8, 16
+_PARTIAL = 32                  # abstains somewhere other than on whole parameters it has no gradient for
 _BITMAP_BITS = 16              # has-gradient bits per int32 header word (no sign-bit games)
 _SIGN, _TRIT = SignCodec(), TritCodec()
 
@@ -75,6 +80,8 @@ class Contribution:
     #: int64, the bucket coordinate of each value when the values were gathered from parts of the
     #: bucket (:func:`run_compacted`): the tie coins follow it; None means values[i] is coordinate i
     positions: Optional[Tensor] = None
+    #: the number of values of each parameter, in order (0 for one left out of ``values``); None if unknown
+    sizes: Optional[list] = None
 
     def index(self, lo: int, n: int) -> Optional[Tensor]:
         return None if self.positions is None else self.positions[lo:lo + n]
@@ -175,6 +182,8 @@ def _headers(contrib: Contribution, blocks: int, capacity: int, runs, slots: boo
     rows, starts, ends = runs
     if rows.numel():
         status |= _ABSTAINS
+        if _abstains_within_parameters(contrib):
+            status |= _PARTIAL
         counts = torch.bincount(rows.cpu(), minlength=blocks)
         most = int(counts.max())
         if most <= capacity // 2:
@@ -194,6 +203,28 @@ def _headers(contrib: Contribution, blocks: int, capacity: int, runs, slots: boo
     h[:, 1] = contrib.digest
     h[:, 3:3 + g] = _bitmap(contrib.has_grad)
     return h
+
+
+def _abstains_within_parameters(contrib: Contribution) -> bool:
+    """Whether the sender has zeros other than the parameters it has no gradient for (c = 0
+    somewhere, a sign hook's zeros); True where the parameter sizes are unknown."""
+    if contrib.sizes is None:
+        return True
+    zeros = int((contrib.values[:contrib.numel] == 0).sum())
+    return zeros != sum(n for n, h in zip(contrib.sizes, contrib.has_grad.tolist()) if not h)
+
+
+def _voters(contrib: Contribution, hdrs: Tensor, info: dict, n: int) -> Optional[Tensor]:
+    """How many ranks vote on each of the n coordinates, when every rank abstains only on whole
+    parameters it has no gradient for: then the has-gradient bitmaps, which every rank has
+    from the first collective, say it exactly. None otherwise."""
+    if contrib.sizes is None or info["partial"]:
+        return None
+    k = contrib.has_grad.numel()
+    per_param = _unbitmap(hdrs[:, 3:3 + -(-k // _BITMAP_BITS)], k).sum(0, dtype=torch.int16)
+    v = torch.zeros(n, dtype=torch.int16)
+    v[:contrib.numel] = torch.repeat_interleave(per_param, torch.tensor(contrib.sizes, dtype=torch.int64))
+    return v
 
 
 def _blocks(headers: Tensor, payload: Tensor, blocks: int) -> Tensor:
@@ -221,6 +252,7 @@ def _read_headers(headers: Tensor, k: int) -> dict:
         bad=[i for i, s in enumerate(status) if s & BAD],
         nonfinite=[i for i, s in enumerate(status) if s & NONFINITE],
         abstains=any(s & _ABSTAINS for s in status),
+        partial=any(s & _PARTIAL for s in status),
         fit=all(s & _FITS for s in status),
         overflow=any(s & _OVERFLOW for s in status),
         digests_agree=len(set(headers[:, 1].tolist())) == 1,
@@ -363,6 +395,11 @@ class OneBit(Algorithm):
                             numel, info["abstains"])
         mine = self.rule.decide(s, nz, key=key, start=lo, index=contrib.index(lo, c))
         out.tally = vote_tally(s, nz, N, numel - lo)
+        voters = _voters(contrib, hdrs, info, n) if info["abstains"] else None
+        if voters is not None:  # abstentions on whole parameters only: every rank knows each coordinate's voters
+            down = _ByVoters(self.rule, voters, N)
+            out.codes = down.decode((yield ("all_gather", down.encode(mine, rank), "codes")))
+            return out
         # way back: every rank gathers every chunk's codes
         codec = self._codes_codec(info["abstains"], state.down)
         block = self._down_block(mine, numel, lo, codec, cap)
@@ -376,6 +413,56 @@ class OneBit(Algorithm):
             state.down = "runs"
         out.codes = codes
         return out
+
+
+def _padded(x: Tensor, align: int, fill: int) -> Tensor:
+    pad = (-x.numel()) % align
+    return torch.cat([x, x.new_full((pad,), fill)]) if pad else x
+
+
+class _ByVoters:
+    """The codes' way back when every rank knows how many ranks vote on each coordinate (v,
+    from :func:`_voters`), in the fewest bits v allows. MaVo: 1 bit where v is odd (no tie
+    can happen), a base-3 digit where v is even (a tie gives 0; with ``ties="random"`` 1 bit
+    there too), nothing where v = 0. Avg: the number of +1 votes, (s + v)/2 ∈ [0, v], in
+    ⌈log2(N+1)⌉ bits where v > 0. Every chunk's block is as long as the longest one's, which
+    every rank computes from v."""
+
+    def __init__(self, rule: VoteRule, voters: Tensor, blocks: int):
+        self.rule, self.v = rule, voters.view(blocks, -1)
+        if rule.vote == "mavo" and rule.ties == "zero":
+            odd = self.v % 2 == 1
+            self.one, self.three = odd, (self.v > 0) & ~odd
+        else:
+            self.one, self.three = self.v > 0, torch.zeros_like(self.v, dtype=torch.bool)
+        self.codec = _SIGN if rule.vote == "mavo" else FieldCodec(bits_for(rule.world_size + 1))
+        self.n1, self.n3 = self.one.sum(1).tolist(), self.three.sum(1).tolist()
+        self.bytes1 = [self.codec.nbytes(m + (-m) % 8) for m in self.n1]
+        self.bytes3 = [_TRIT.nbytes(m + (-m) % 5) for m in self.n3]
+        self.block = max(a + b for a, b in zip(self.bytes1, self.bytes3))
+
+    def encode(self, codes: Tensor, j: int) -> Tensor:
+        one = codes[self.one[j].to(codes.device)]
+        if self.rule.vote == "avg":
+            one = (one.to(torch.int32) + self.v[j][self.one[j]].to(one.device)) // 2
+        parts = [self.codec.encode(_padded(one, 8, 1 if self.rule.vote == "mavo" else 0)),
+                 _TRIT.encode(_padded(codes[self.three[j].to(codes.device)].to(torch.int8), 5, 0))]
+        out = torch.cat(parts)
+        return torch.cat([out, out.new_zeros(self.block - out.numel())])
+
+    def decode(self, gathered: Tensor) -> Tensor:
+        g = gathered.view(len(self.n1), self.block)
+        dtype = torch.int8 if self.rule.vote == "mavo" else torch.int16
+        codes = torch.zeros(self.v.shape, dtype=dtype, device=gathered.device)
+        for j, (n1, n3, b1, b3) in enumerate(zip(self.n1, self.n3, self.bytes1, self.bytes3)):
+            one, three = self.one[j].to(codes.device), self.three[j].to(codes.device)
+            a = self.codec.decode(g[j, :b1], n1)
+            if self.rule.vote == "avg":
+                a = a * 2 - self.v[j][self.one[j]].to(a.device)
+            codes[j][one] = a.to(dtype)
+            if n3:
+                codes[j][three] = _TRIT.decode(g[j, b1:b1 + b3], n3).to(dtype)
+        return codes.view(-1)
 
 
 def _outcome(info: dict) -> Outcome:
@@ -561,8 +648,11 @@ def run_compacted(alg: Algorithm, state: WireState, contrib: Contribution, rank:
         sub[at:at + hi - lo] = values[lo:hi]
         positions[at:at + hi - lo] = torch.arange(lo, hi, dtype=torch.int64, device=dev)
         at += hi - lo
+    sizes = None
+    if contrib.sizes is not None:
+        sizes = [0 if left_out else n for n, left_out in zip(contrib.sizes, skipped.tolist())]
     out = yield from alg.run(state, Contribution(sub, m, contrib.has_grad, contrib.status, contrib.digest,
-                                                 positions), rank, key)
+                                                 positions, sizes), rank, key)
     if bool((out.has_grad & skipped).any()):  # a rank has a gradient for a left-out parameter
         return (yield from alg.run(state, contrib, rank, key))
     if out.codes is not None:

@@ -375,7 +375,7 @@ class DistributedLion(Lion):
         self._step.present[k] = present
         self._step.errors[k] = error
         return Contribution(buf.values, b.numel, torch.tensor(present, dtype=torch.bool), status,
-                            self._digest(group))
+                            self._digest(group), sizes=b.sizes)
 
     def _issue_ready(self, step_no: int) -> None:
         """Start, in bucket order, every bucket whose gradients are all there."""

@@ -111,7 +111,7 @@ class SimulatedDistributedLion:
                 if self.sign_hooks[i] is not None:
                     values[:b.numel] = self.sign_hooks[i](step, values[:b.numel].clone())
                 present.append(has)
-                contrib = Contribution(values, b.numel, torch.tensor(has, dtype=torch.bool), 0, 0)
+                contrib = Contribution(values, b.numel, torch.tensor(has, dtype=torch.bool), 0, 0, sizes=b.sizes)
                 gens.append(run_compacted(self.algorithms[kb], self.wire[kb][i], contrib, i,
                                           coin_key(self.seed, step, kb), self.skip[kb], self.kept[kb]))
             outcome = _lockstep(gens, self.comm_stats)

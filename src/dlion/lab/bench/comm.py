@@ -8,6 +8,11 @@ parameter per rank counted by ``CommStats`` (sent; received is the same; the
 headers included), next to the formula (1 + b)(N−1)/N bits of the reduce-scatter
 pattern.
 Loopback on a 2-core machine is CPU-bound: compare rows of one run as ratios.
+
+``--models`` instead trains a new user's fine-tuning models with
+``DistributedLion(comm="1bit")`` — a frozen backbone, a trainable head, a layer
+with no gradient on any rank or on even ranks only — and prints the bytes a rank
+sends per step against the bound over the coordinates some rank votes on.
 """
 
 from __future__ import annotations
@@ -65,6 +70,67 @@ def _worker(rank: int, world: int, n: int, steps: int, rules: list) -> list[dict
     return rows
 
 
+#: the new user's fine-tuning models: which parts exist and which have gradients
+SCENARIOS = {
+    "head only": dict(backbone=False, extra=None),
+    "frozen backbone + head": dict(backbone=True, extra=None),
+    "+ unused layer (no grad anywhere)": dict(backbone=True, extra="none"),
+    "+ layer with grads on even ranks": dict(backbone=True, extra="even"),
+}
+
+
+def _model_worker(rank: int, world: int, steps: int, rules: list, out: int) -> list[dict]:
+    """Bytes per step of DistributedLion(comm="1bit") on a frozen 1000×1000 backbone, a
+    1000→``out`` head and an ``out``→``out`` layer that has no gradient anywhere or on even ranks only."""
+    import dlion
+
+    rows = []
+    for name, sc in SCENARIOS.items():
+        for vote, ties in rules:
+            torch.manual_seed(0)
+            backbone, head, extra = torch.nn.Linear(1000, 1000), torch.nn.Linear(1000, out), torch.nn.Linear(out, out)
+            backbone.requires_grad_(False)
+            mods = ([backbone] if sc["backbone"] else []) + [head] + ([extra] if sc["extra"] else [])
+            opt = dlion.DistributedLion([p for m in mods for p in m.parameters()], lr=1e-3, vote=vote, ties=ties,
+                                        comm="1bit")
+            g = torch.Generator().manual_seed(rank)
+            sent = []
+            for _ in range(steps):
+                x = torch.randn(8, 1000, generator=g)
+                y = head(backbone(x) if sc["backbone"] else x)
+                if sc["extra"] == "even" and rank % 2 == 0:
+                    y = y + extra(y)
+                before = opt.comm_stats.bytes_sent
+                opt.zero_grad()
+                y.pow(2).mean().backward()
+                opt.step()
+                sent.append(opt.comm_stats.bytes_sent - before)
+            voted = sum(p.numel() for p in head.parameters())
+            if sc["extra"] == "even":
+                voted += sum(p.numel() for p in extra.parameters())
+            rows.append(dict(scenario=name, vote=vote if ties == "zero" else f"{vote}, {ties} ties", trainable=opt.num_params, voted=voted,
+                             b=opt.rule.result_bits(False), first=sent[0], steady=statistics.median(sent[2:]),
+                             buckets=len(opt.buckets)))
+    return rows
+
+
+def model_main(worlds: list[int], steps: int, out: int, doc: dict) -> None:
+    for world in worlds:
+        rows = spawn(_model_worker, world, steps, [("mavo", "zero"), ("mavo", "random"), ("avg", "zero")], out,
+                     timeout_s=600)[0]
+        doc["models"].append({"workers": world, "rows": rows})
+        print(f"\ndlion bench comm --models --head {out}: N={world} ranks, DistributedLion(comm='1bit'), bytes one rank sends "
+              f"per step (median of steps 3-{steps}; step 1 in brackets); bound = (1+b)(N-1)/N bits per coordinate "
+              "some rank has a gradient for; excess B: the rest (headers))")
+        print(f"{'model':<36} {'vote':<19} {'trainable':>9} {'voted':>7} {'bytes':>8} {'(step 1)':>10} {'bound':>8} "
+              f"{'ratio':>6} {'excess B':>8}")
+        for r in rows:
+            bound = (1 + r["b"]) * (world - 1) / world * r["voted"] / 8
+            print(f"{r['scenario']:<36} {r['vote']:<19} {r['trainable']:>9,} {r['voted']:>7,} {r['steady']:>8.0f} "
+                  f"{'(' + format(r['first'], '.0f') + ')':>10} {bound:>8.0f} {r['steady'] / bound:>6.3f} "
+                  f"{r['steady'] - bound:>8.0f}")
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="dlion bench comm", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -72,6 +138,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--params", type=parse_count, default=parse_count("16M"), help="coordinates (default 16M)")
     ap.add_argument("--steps", type=int, default=5, help="timed repetitions per row (median)")
     ap.add_argument("--json", default=None, help="also write every row to this JSON file")
+    ap.add_argument("--models", action="store_true",
+                    help="instead: bytes per step of DistributedLion on small fine-tuning models (frozen backbone, "
+                         "a layer with no gradient anywhere or on some ranks only) against the bound")
+    ap.add_argument("--head", type=int, default=10,
+                    help="--models: outputs of the trainable head (1000 x HEAD values) and of the extra layer")
     args = ap.parse_args(argv)
     try:
         worlds = [int(w) for w in args.workers.split(",")]
@@ -79,6 +150,15 @@ def main(argv: list[str]) -> int:
         ap.error(f"--workers must be comma-separated integers, got {args.workers!r}")
     if any(w < 2 for w in worlds):
         ap.error("--workers: every world size must be >= 2")
+    if args.models:
+        doc = {"benchmark": "dlion bench comm --models", "steps": args.steps, "head": args.head, "models": []}
+        if args.steps < 4:
+            ap.error("--models needs --steps >= 4 (the first steps learn which parameters have gradients)")
+        model_main(worlds, args.steps, args.head, doc)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(doc, f, indent=1)
+        return 0
     doc = {"benchmark": "dlion bench comm", "params": args.params, "steps": args.steps, "runs": []}
     for world in worlds:
         n = padded_length(args.params, world)
