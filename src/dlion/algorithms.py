@@ -63,7 +63,7 @@ __all__ = ["Contribution", "Outcome", "WireState", "Algorithm", "OneBit", "AllGa
 
 BAD, NONFINITE = 1, 2          # status bits a rank reports for a bucket
 _ABSTAINS, _FITS, _OVERFLOW = 4, 8, 16
-_PARTIAL = 32                  # abstains somewhere other than on whole parameters it has no gradient for
+_SCATTERED = 32                # many zeros besides the parameters the sender has no gradient for
 _BITMAP_BITS = 16              # has-gradient bits per int32 header word (no sign-bit games)
 _SIGN, _TRIT = SignCodec(), TritCodec()
 
@@ -182,8 +182,8 @@ def _headers(contrib: Contribution, blocks: int, capacity: int, runs, slots: boo
     rows, starts, ends = runs
     if rows.numel():
         status |= _ABSTAINS
-        if _abstains_within_parameters(contrib):
-            status |= _PARTIAL
+        if _zeros_within_parameters(contrib) > capacity // 2:
+            status |= _SCATTERED
         counts = torch.bincount(rows.cpu(), minlength=blocks)
         most = int(counts.max())
         if most <= capacity // 2:
@@ -205,20 +205,22 @@ def _headers(contrib: Contribution, blocks: int, capacity: int, runs, slots: boo
     return h
 
 
-def _abstains_within_parameters(contrib: Contribution) -> bool:
-    """Whether the sender has zeros other than the parameters it has no gradient for (c = 0
-    somewhere, a sign hook's zeros); True where the parameter sizes are unknown."""
+def _zeros_within_parameters(contrib: Contribution) -> int:
+    """The sender's zeros besides the parameters it has no gradient for (c = 0, a sign hook's
+    zeros); every coordinate where the parameter sizes are unknown or a hook voted where the
+    rank has no gradient."""
     if contrib.sizes is None:
-        return True
+        return contrib.numel
     zeros = int((contrib.values[:contrib.numel] == 0).sum())
-    return zeros != sum(n for n, h in zip(contrib.sizes, contrib.has_grad.tolist()) if not h)
+    extra = zeros - sum(n for n, h in zip(contrib.sizes, contrib.has_grad.tolist()) if not h)
+    return extra if extra >= 0 else contrib.numel
 
 
 def _voters(contrib: Contribution, hdrs: Tensor, info: dict, n: int) -> Optional[Tensor]:
-    """How many ranks vote on each of the n coordinates, when every rank abstains only on whole
-    parameters it has no gradient for: then the has-gradient bitmaps, which every rank has
-    from the first collective, say it exactly. None otherwise."""
-    if contrib.sizes is None or info["partial"]:
+    """How many ranks have a gradient for the parameter of each of the n coordinates — from the
+    has-gradient bitmaps, which every rank has after the first collective: the number of voters,
+    but for the few zeros of c (:class:`_ByVoters` lists them). None when some rank has many."""
+    if contrib.sizes is None or info["scattered"]:
         return None
     k = contrib.has_grad.numel()
     per_param = _unbitmap(hdrs[:, 3:3 + -(-k // _BITMAP_BITS)], k).sum(0, dtype=torch.int16)
@@ -252,7 +254,7 @@ def _read_headers(headers: Tensor, k: int) -> dict:
         bad=[i for i, s in enumerate(status) if s & BAD],
         nonfinite=[i for i, s in enumerate(status) if s & NONFINITE],
         abstains=any(s & _ABSTAINS for s in status),
-        partial=any(s & _PARTIAL for s in status),
+        scattered=any(s & _SCATTERED for s in status),
         fit=all(s & _FITS for s in status),
         overflow=any(s & _OVERFLOW for s in status),
         digests_agree=len(set(headers[:, 1].tolist())) == 1,
@@ -396,9 +398,14 @@ class OneBit(Algorithm):
         mine = self.rule.decide(s, nz, key=key, start=lo, index=contrib.index(lo, c))
         out.tally = vote_tally(s, nz, N, numel - lo)
         voters = _voters(contrib, hdrs, info, n) if info["abstains"] else None
-        if voters is not None:  # abstentions on whole parameters only: every rank knows each coordinate's voters
-            down = _ByVoters(self.rule, voters, N)
-            out.codes = down.decode((yield ("all_gather", down.encode(mine, rank), "codes")))
+        if voters is not None:  # abstentions (nearly) only on whole parameters: every rank knows the voters
+            down, plain = _ByVoters(self.rule, voters, N, cap), self._codes_codec(True, "ternary")
+            codes = None
+            if down.block < plain.nbytes(c):  # (blocks as long as the longest chunk's can cost more)
+                codes = down.decode((yield ("all_gather", down.encode(mine, rank), "codes")))
+            if codes is None:  # or some chunk had more exceptions than fit: a plain format
+                codes = plain.decode((yield ("all_gather", plain.encode(mine), "codes")), n)
+            out.codes = codes
             return out
         # way back: every rank gathers every chunk's codes
         codec = self._codes_codec(info["abstains"], state.down)
@@ -421,47 +428,81 @@ def _padded(x: Tensor, align: int, fill: int) -> Tensor:
 
 
 class _ByVoters:
-    """The codes' way back when every rank knows how many ranks vote on each coordinate (v,
-    from :func:`_voters`), in the fewest bits v allows. MaVo: 1 bit where v is odd (no tie
-    can happen), a base-3 digit where v is even (a tie gives 0; with ``ties="random"`` 1 bit
-    there too), nothing where v = 0. Avg: the number of +1 votes, (s + v)/2 ∈ [0, v], in
-    ⌈log2(N+1)⌉ bits where v > 0. Every chunk's block is as long as the longest one's, which
-    every rank computes from v."""
+    """The codes' way back when every rank knows how many ranks have a gradient for each
+    coordinate (v, from :func:`_voters`), in the fewest bits v allows. MaVo: 1 bit where v
+    is odd (no tie can happen), a base-3 digit where v is even (a tie gives 0; with
+    ``ties="random"`` 1 bit there too), nothing where v = 0. Avg: the number of +1 votes,
+    (s + v)/2 ∈ [0, v], in ⌈log2(N+1)⌉ bits where v > 0. A code these cannot hold (a rank's
+    c = 0 made fewer than v vote: a 0 at odd v, another parity) travels in the block's
+    exception list (offset, code), room for ``capacity``; when a chunk has more, every rank
+    sees it and the codes are gathered again in base 3 (Avg: ⌈log2(2N+1)⌉ bits). Every
+    chunk's block is as long as the longest one's, which every rank computes from v."""
 
-    def __init__(self, rule: VoteRule, voters: Tensor, blocks: int):
-        self.rule, self.v = rule, voters.view(blocks, -1)
-        if rule.vote == "mavo" and rule.ties == "zero":
+    def __init__(self, rule: VoteRule, voters: Tensor, blocks: int, capacity: int):
+        self.rule, self.v, self.capacity = rule, voters.view(blocks, -1), capacity
+        self.avg = rule.vote == "avg"
+        if not self.avg and rule.ties == "zero":
             odd = self.v % 2 == 1
             self.one, self.three = odd, (self.v > 0) & ~odd
         else:
             self.one, self.three = self.v > 0, torch.zeros_like(self.v, dtype=torch.bool)
-        self.codec = _SIGN if rule.vote == "mavo" else FieldCodec(bits_for(rule.world_size + 1))
+        self.codec = FieldCodec(bits_for(rule.world_size + 1)) if self.avg else _SIGN
         self.n1, self.n3 = self.one.sum(1).tolist(), self.three.sum(1).tolist()
         self.bytes1 = [self.codec.nbytes(m + (-m) % 8) for m in self.n1]
         self.bytes3 = [_TRIT.nbytes(m + (-m) % 5) for m in self.n3]
-        self.block = max(a + b for a, b in zip(self.bytes1, self.bytes3))
+        self.head = 4 * (1 + 2 * capacity)
+        self.block = self.head + max(a + b for a, b in zip(self.bytes1, self.bytes3))
+
+    def _misfits(self, codes: Tensor, j: int) -> Tensor:
+        """Where chunk j's codes do not fit their coordinate's format."""
+        v = self.v[j].to(codes.device)
+        if self.avg:
+            c = codes.to(torch.int32)
+            return (v == 0) & (c != 0) | (v > 0) & (((c + v) % 2 != 0) | (c.abs() > v))
+        return (v == 0) & (codes != 0) | self.one[j].to(codes.device) & (codes == 0)
 
     def encode(self, codes: Tensor, j: int) -> Tensor:
-        one = codes[self.one[j].to(codes.device)]
-        if self.rule.vote == "avg":
-            one = (one.to(torch.int32) + self.v[j][self.one[j]].to(one.device)) // 2
-        parts = [self.codec.encode(_padded(one, 8, 1 if self.rule.vote == "mavo" else 0)),
+        h = torch.zeros(1 + 2 * self.capacity, dtype=torch.int32)
+        bad = self._misfits(codes, j)
+        where = bad.nonzero().view(-1)
+        if where.numel() > self.capacity:
+            h[0] = -1  # every rank sees it: the codes are gathered again in a plain format
+        elif where.numel():
+            h[0] = where.numel()
+            pairs = torch.stack([where, codes[where].to(torch.int64)], 1).reshape(-1)
+            h[1:1 + pairs.numel()] = pairs.cpu().to(torch.int32)
+            codes = codes.masked_fill(bad, 0)
+        one, v1 = codes[self.one[j].to(codes.device)], self.v[j][self.one[j]].to(codes.device)
+        if self.avg:
+            one = (one.to(torch.int32) + v1) // 2
+        else:
+            one = torch.where(one == 0, torch.ones_like(one), one)
+        parts = [h.view(torch.uint8).to(codes.device),
+                 self.codec.encode(_padded(one, 8, 1 if not self.avg else 0)),
                  _TRIT.encode(_padded(codes[self.three[j].to(codes.device)].to(torch.int8), 5, 0))]
         out = torch.cat(parts)
         return torch.cat([out, out.new_zeros(self.block - out.numel())])
 
-    def decode(self, gathered: Tensor) -> Tensor:
+    def decode(self, gathered: Tensor) -> Optional[Tensor]:
+        """Every chunk's codes, or None when some chunk's exceptions did not fit."""
         g = gathered.view(len(self.n1), self.block)
-        dtype = torch.int8 if self.rule.vote == "mavo" else torch.int16
-        codes = torch.zeros(self.v.shape, dtype=dtype, device=gathered.device)
+        heads = g[:, :self.head].contiguous().view(torch.int32).cpu()
+        if bool((heads[:, 0] < 0).any()):
+            return None
+        codes = torch.zeros(self.v.shape, dtype=torch.int16 if self.avg else torch.int8, device=gathered.device)
         for j, (n1, n3, b1, b3) in enumerate(zip(self.n1, self.n3, self.bytes1, self.bytes3)):
             one, three = self.one[j].to(codes.device), self.three[j].to(codes.device)
-            a = self.codec.decode(g[j, :b1], n1)
-            if self.rule.vote == "avg":
+            body = g[j, self.head:]
+            a = self.codec.decode(body[:b1], n1)
+            if self.avg:
                 a = a * 2 - self.v[j][self.one[j]].to(a.device)
-            codes[j][one] = a.to(dtype)
+            codes[j][one] = a.to(codes.dtype)
             if n3:
-                codes[j][three] = _TRIT.decode(g[j, b1:b1 + b3], n3).to(dtype)
+                codes[j][three] = _TRIT.decode(body[b1:b1 + b3], n3).to(codes.dtype)
+            count = int(heads[j, 0])
+            if count:
+                pairs = heads[j, 1:1 + 2 * count].view(count, 2).to(torch.int64).to(codes.device)
+                codes[j][pairs[:, 0]] = pairs[:, 1].to(codes.dtype)
         return codes.view(-1)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 
@@ -105,13 +106,24 @@ def _model_worker(rank: int, world: int, steps: int, rules: list, out: int) -> l
                 y.pow(2).mean().backward()
                 opt.step()
                 sent.append(opt.comm_stats.bytes_sent - before)
-            voted = sum(p.numel() for p in head.parameters())
+            # (values, how many ranks vote on them) of the parts some rank has a gradient for
+            parts = [(sum(p.numel() for p in head.parameters()), world)]
             if sc["extra"] == "even":
-                voted += sum(p.numel() for p in extra.parameters())
-            rows.append(dict(scenario=name, vote=vote if ties == "zero" else f"{vote}, {ties} ties", trainable=opt.num_params, voted=voted,
-                             b=opt.rule.result_bits(False), first=sent[0], steady=statistics.median(sent[2:]),
+                parts.append((sum(p.numel() for p in extra.parameters()), (world + 1) // 2))
+            rows.append(dict(scenario=name, vote=vote if ties == "zero" else f"{vote}, {ties} ties",
+                             trainable=opt.num_params, voted=sum(n for n, _ in parts),
+                             bound_bits=sum(n * (1 + _back_bits(vote, ties, v, world)) for n, v in parts),
+                             first=sent[0], steady=statistics.median(sent[2:]),
                              buckets=len(opt.buckets)))
     return rows
+
+
+def _back_bits(vote: str, ties: str, v: int, world: int) -> float:
+    """Bits per coordinate of the codes' way back when v ranks vote on it: the width of the
+    result — ⌈log2(N+1)⌉ for Avg, 1 bit for MaVo unless a tie can give 0 (v even, ties="zero")."""
+    if vote == "avg":
+        return math.ceil(math.log2(world + 1))
+    return 1.0 if (ties == "random" or v % 2 == 1) else 1.6
 
 
 def model_main(worlds: list[int], steps: int, out: int, doc: dict) -> None:
@@ -121,11 +133,12 @@ def model_main(worlds: list[int], steps: int, out: int, doc: dict) -> None:
         doc["models"].append({"workers": world, "rows": rows})
         print(f"\ndlion bench comm --models --head {out}: N={world} ranks, DistributedLion(comm='1bit'), bytes one rank sends "
               f"per step (median of steps 3-{steps}; step 1 in brackets); bound = (1+b)(N-1)/N bits per coordinate "
-              "some rank has a gradient for; excess B: the rest (headers))")
+              "some rank has a gradient for, b the width of its result (1, 1.6 where a tie can give 0, "
+              "log2(N+1) for avg); excess B: the rest")
         print(f"{'model':<36} {'vote':<19} {'trainable':>9} {'voted':>7} {'bytes':>8} {'(step 1)':>10} {'bound':>8} "
               f"{'ratio':>6} {'excess B':>8}")
         for r in rows:
-            bound = (1 + r["b"]) * (world - 1) / world * r["voted"] / 8
+            bound = r["bound_bits"] * (world - 1) / world / 8
             print(f"{r['scenario']:<36} {r['vote']:<19} {r['trainable']:>9,} {r['voted']:>7,} {r['steady']:>8.0f} "
                   f"{'(' + format(r['first'], '.0f') + ')':>10} {bound:>8.0f} {r['steady'] / bound:>6.3f} "
                   f"{r['steady'] - bound:>8.0f}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import statistics
 import sys
@@ -84,6 +85,11 @@ def report(out: dict, args: argparse.Namespace, where: str) -> None:
     print(f"{'overlap=True':<28} {m['on'] * 1e3:>9.1f}")
     print(f"bytes sent per rank per step: {out['bytes_per_step']:,.0f}")
     print(f"communication hidden by overlap: {100 * hidden:.0f}%  (speedup {m['off'] / m['on']:.2f}×)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "dlion bench overlap", "where": where, "args": {
+                k: v for k, v in vars(args).items() if k not in ("worker", "json")}, **out,
+                "hidden": hidden, "speedup": m["off"] / m["on"]}, f, indent=1)
 
 
 def main(argv: list[str]) -> int:
@@ -99,6 +105,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--comm", default="1bit", choices=("auto", "1bit", "allgather", "pbit"))
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--json", default=None, help="also write the medians and the settings to this JSON file")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.workers < 2:
