@@ -99,11 +99,10 @@ class VoteRule:
             return s.to(torch.int16)
         code = torch.sign(s).to(torch.int8)
         if self.ties == "random":
-            tie = (s == 0) & (nz > 0)
-            if bool(tie.any()):
-                coins = (tie_coins(key, start, s.numel(), device=s.device) if index is None
-                         else tie_coins_at(key, index.to(s.device)))
-                code = torch.where(tie, coins, code)
+            where = ((s == 0) & (nz > 0)).nonzero().view(-1)  # hash only the ties' coordinates
+            if where.numel():
+                at = where + start if index is None else index.to(s.device)[where]
+                code[where] = tie_coins_at(key, at)
         return code
 
     def delta(self, code: Tensor, dtype: torch.dtype) -> Tensor:
