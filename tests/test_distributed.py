@@ -577,6 +577,18 @@ def skip_worker(rank, world, configs):
     return out
 
 
+def run_against_reference(world, configs):
+    """Run ``skip_worker`` on ``world`` Gloo ranks; assert every rank's parameters equal the
+    paper's update written out, bitwise; return rank 0's records."""
+    results = spawn(skip_worker, world, configs)
+    for c, cfg in enumerate(configs):
+        want = skip_reference(world, cfg, results[0][c]["layout"])
+        for rank in range(world):
+            for k, (got, ref) in enumerate(zip(results[rank][c]["params"], want)):
+                assert torch.equal(got, ref), f"{cfg} world {world} rank {rank} parameter {k}"
+    return results[0]
+
+
 SKIP_CONFIGS = [dict(vote="mavo", resume_at=3), dict(vote="mavo", ties="random"), dict(vote="avg"),
                 dict(vote="mavo", comm="allgather"), dict(vote="mavo", ties="random", comm="pbit")]
 
@@ -586,14 +598,8 @@ def test_a_parameter_without_gradient_anywhere_costs_only_its_header_bit(world):
     """Bitwise the paper's update (tie coins included) while a large parameter goes unused,
     comes back on one rank only (every rank had left it out: the bucket is re-sent in full)
     and is used again; and while it is left out, the bytes are those of the used parameters."""
-    results = spawn(skip_worker, world, SKIP_CONFIGS)
-    for c, cfg in enumerate(SKIP_CONFIGS):
-        ranks = [r[c] for r in results]
-        want = skip_reference(world, cfg, ranks[0]["layout"])
-        for rank, res in enumerate(ranks):
-            for k, (got, ref) in enumerate(zip(res["params"], want)):
-                assert torch.equal(got, ref), f"{cfg} world {world} rank {rank} parameter {k}"
-        res = ranks[0]
+    results = run_against_reference(world, SKIP_CONFIGS)
+    for cfg, res in zip(SKIP_CONFIGS, results):
         per_step, calls = res["per_step"], res["calls"]
         assert sum(per_step) == pytest.approx(res["stats"]["bytes_sent"], abs=sum(calls))
         if cfg.get("comm", "1bit") != "1bit":
@@ -629,14 +635,9 @@ def test_abstentions_on_whole_parameters_keep_the_1bit_path(world):
     coordinate's codes come back in the bits its number of voters v needs (every rank knows v
     from the has-gradient bitmaps): MaVo 1 bit where v is odd, base 3 where a tie can give 0,
     Avg ceil(log2(N+1)); not base 3 for the whole bucket."""
-    results = spawn(skip_worker, world, PARTIAL_CONFIGS)
+    results = run_against_reference(world, PARTIAL_CONFIGS)
     sizes, schedule = SCHEDULES["partial"]
-    for c, cfg in enumerate(PARTIAL_CONFIGS):
-        ranks = [r[c] for r in results]
-        want = skip_reference(world, cfg, ranks[0]["layout"])
-        for rank, res in enumerate(ranks):
-            for k, (got, ref) in enumerate(zip(res["params"], want)):
-                assert torch.equal(got, ref), f"{cfg} world {world} rank {rank} parameter {k}"
+    for cfg, res in zip(PARTIAL_CONFIGS, results):
         bits = 0.0  # the bound, coordinate by coordinate: 1 bit up, b(v) back, (N-1)/N of it leaves
         for k, n in enumerate(sizes):
             v = len(schedule(k, 0, world))
@@ -650,7 +651,7 @@ def test_abstentions_on_whole_parameters_keep_the_1bit_path(world):
         bound = bits * (world - 1) / world / 8
         header = 2 * 64 * world
         for t in range(1, SKIP_STEPS):
-            assert ranks[0]["per_step"][t] <= 1.05 * bound + header, (cfg, t, ranks[0]["per_step"], bound)
+            assert res["per_step"][t] <= 1.05 * bound + header, (cfg, t, res["per_step"], bound)
 
 
 DEAD_CONFIGS = [dict(vote="mavo", schedule="dead"), dict(vote="mavo", ties="random", schedule="dead"),
@@ -664,13 +665,7 @@ def test_a_few_zeros_of_c_ride_as_exceptions_or_fall_back(world):
     such coordinate breaks the parity of (s + v)/2: six exceptions in one chunk do not fit the
     room for four, and the codes are gathered once more in a plain format (one more collective
     per step); MaVo's zeros at odd v fit, and no collective is added."""
-    results = spawn(skip_worker, world, DEAD_CONFIGS)
-    for c, cfg in enumerate(DEAD_CONFIGS):
-        ranks = [r[c] for r in results]
-        want = skip_reference(world, cfg, ranks[0]["layout"])
-        for rank, res in enumerate(ranks):
-            for k, (got, ref) in enumerate(zip(res["params"], want)):
-                assert torch.equal(got, ref), f"{cfg} world {world} rank {rank} parameter {k}"
-    calls = {cfg["vote"] + cfg.get("ties", ""): results[0][c]["calls"] for c, cfg in enumerate(DEAD_CONFIGS)}
+    results = run_against_reference(world, DEAD_CONFIGS)
+    calls = {cfg["vote"] + cfg.get("ties", ""): res["calls"] for cfg, res in zip(DEAD_CONFIGS, results)}
     assert calls["mavo"][1:] == calls["mavorandom"][1:] == [2] * (SKIP_STEPS - 1), calls
     assert calls["avg"][1:] == [3] * (SKIP_STEPS - 1), calls
