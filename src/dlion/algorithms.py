@@ -691,7 +691,7 @@ def run_compacted(alg: Algorithm, state: WireState, contrib: Contribution, rank:
         at += hi - lo
     sizes = None
     if contrib.sizes is not None:
-        sizes = [0 if left_out else n for n, left_out in zip(contrib.sizes, skipped.tolist())]
+        sizes = [0 if left_out else size for size, left_out in zip(contrib.sizes, skipped.tolist())]
     out = yield from alg.run(state, Contribution(sub, m, contrib.has_grad, contrib.status, contrib.digest,
                                                  positions, sizes), rank, key)
     if bool((out.has_grad & skipped).any()):  # a rank has a gradient for a left-out parameter
