@@ -280,7 +280,7 @@ def figures(runs: list[dict], fig_dir: str, name: str | None = None) -> list[str
     xs_all = [by[k]["bits"] for k in by if by[k]["bits"] > 0]
     for ax, n in zip(axes[0], ns):
         for ln in lines:
-            b = _base(ln)
+            b = ln.split(":", 1)[0]  # a line name is "base" or "base:setting"
             pts = sorted(((by[(m, n)]["bits"], by[(m, n)]["mean"], by[(m, n)]["std"], m) for m in methods
                           if _line(m) == ln and (m, n) in by))
             if not pts:
