@@ -377,3 +377,12 @@ def test_quant_bits_variant_of_lion_cub():
     for spec, s in (("lioncub_quant", 31), ("lioncub_quant:bits=4", 1), ("lioncub_quant:bits=8", 31)):
         m = make_method(spec, list(model.parameters()), 4, {"lr": 0.1, "weight_decay": 0.0}, "charlm", 0, 10)
         assert m.sim.quant_levels == s
+
+
+def test_bits_figure_draws_dgc_frontiers_with_and_without_clipping(tmp_path):
+    """Two densities with a clipping threshold make a line of its own (named "dgc:clip=1"),
+    next to the unclipped DGC: the bits figure draws both."""
+    out = str(tmp_path / "out")
+    assert main(["--task", "mnist1d", "--methods", "dgc:0.001,dgc:0.01,dgc:0.001:clip=1,dgc:0.01:clip=1",
+                 "--workers", "2", "--seeds", "0", "--steps", "2", "--quiet", "--out", out]) == 0
+    assert os.path.getsize(os.path.join(out, "results_mnist1d_vs_bits.png")) > 0

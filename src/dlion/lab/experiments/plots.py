@@ -290,7 +290,7 @@ def figures(runs: list[dict], fig_dir: str, name: str | None = None) -> list[str
             e = [scale * q[2] for q in pts]
             legend = labels[pts[0][3]] if len(pts) == 1 else label(b) + (
                 " (pre-audit)" if "pre-audit" in labels[pts[0][3]] else "") + (
-                f", clip {dgc_clip(ln):g}" if dgc_clip(ln) is not None else "")
+                f", clip {dgc_clip(pts[0][3]):g}" if b == "dgc" and dgc_clip(pts[0][3]) is not None else "")
             ax.errorbar(x, y, yerr=e, color=COLORS[b], marker=MARKERS[b], ms=9 if b == "dlion_mavo" else 6,
                         capsize=3, ls=("--" if ln != b else "-") if len(pts) > 1 else "none", lw=0.9,
                         label=legend, mfc="none" if ln != b else None)
