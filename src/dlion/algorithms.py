@@ -170,11 +170,13 @@ def _unbitmap(words: Tensor, k: int) -> Tensor:
     return bits.reshape(words.shape[0], -1)[:, :k].bool()
 
 
-def _headers(contrib: Contribution, blocks: int, capacity: int, runs, slots: bool) -> Tensor:
+def _headers(contrib: Contribution, blocks: int, capacity: int, runs, slots: bool,
+             scattered: bool = False) -> Tensor:
     """(blocks, H) int32 headers of one sender: status, digest, run count, has-gradient bitmap
     and, with ``slots``, room for ``capacity`` zero runs, block r's runs in row r. Sets
-    _ABSTAINS when the sender has zeros, _FITS when every block's runs fit half the
-    capacity, _OVERFLOW (and lists no runs) when some block's runs exceed it."""
+    _ABSTAINS when the sender has zeros (and _SCATTERED with ``scattered``), _FITS when every
+    block's runs fit half the capacity, _OVERFLOW (and lists no runs) when some block's runs
+    exceed it."""
     k = contrib.has_grad.numel()
     g = -(-k // _BITMAP_BITS)
     h = torch.zeros(blocks, _header_words(k, capacity if slots else 0), dtype=torch.int32)
@@ -182,7 +184,7 @@ def _headers(contrib: Contribution, blocks: int, capacity: int, runs, slots: boo
     rows, starts, ends = runs
     if rows.numel():
         status |= _ABSTAINS
-        if _zeros_within_parameters(contrib) > capacity // 2:
+        if scattered:
             status |= _SCATTERED
         counts = torch.bincount(rows.cpu(), minlength=blocks)
         most = int(counts.max())
@@ -376,10 +378,12 @@ class OneBit(Algorithm):
         c, k = n // N, contrib.has_grad.numel()
         cap, lo = _capacity(c), rank * c
         runs = zero_runs(contrib.values, N, numel)
+        # many zeros besides whole parameters without gradient: the codes come back without _ByVoters
+        scattered = bool(runs[0].numel()) and _zeros_within_parameters(contrib) > cap // 2
         # way up: block r = this rank's header (with its zero runs in chunk r) + its signs of chunk r
         while True:
             fmt = state.up
-            headers = _headers(contrib, N, cap, runs, slots=fmt == "runs")
+            headers = _headers(contrib, N, cap, runs, slots=fmt == "runs", scattered=scattered)
             codec = _SIGN if fmt == "runs" else _TRIT
             received = yield ("all_to_all", _blocks(headers, codec.encode(contrib.values), N), "signs")
             hdrs, payloads = _split(received, N, headers.shape[1])

@@ -21,7 +21,7 @@ from torch import Tensor
 from .algorithms import Contribution, padded_length
 from .quantize import quantize
 
-__all__ = ["Bucket", "layout_buckets", "work_dtype"]
+__all__ = ["Bucket", "LeftOut", "layout_buckets", "work_dtype"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -70,6 +70,23 @@ class Bucket:
             else:
                 out.append((lo, hi))
         return out
+
+
+class LeftOut:
+    """The parameters of a bucket that the next step leaves out of the payload: those no rank
+    had a gradient for in the last step (identical on every rank, since it follows the agreed
+    has-gradient bitmaps), and the coordinate ranges of the others, for
+    :func:`dlion.algorithms.run_compacted`."""
+
+    def __init__(self, bucket: Bucket):
+        self.bucket = bucket
+        self.skip = torch.zeros(len(bucket.params), dtype=torch.bool)
+        self.kept = [(0, bucket.numel)]
+
+    def update(self, has_grad: Tensor) -> None:
+        """After a step: ``has_grad`` says which parameters some rank had a gradient for."""
+        if not torch.equal(~has_grad, self.skip):
+            self.skip, self.kept = ~has_grad, self.bucket.ranges(has_grad.tolist())
 
 
 def layout_buckets(params: list[Tensor], groups: list[dict], world: int, cap_mb: float, *,

@@ -48,7 +48,8 @@ from torch.profiler import record_function
 from .aggregation import VoteRule, coin_key
 from .algorithms import (ALGORITHMS, BAD, NONFINITE, Contribution, Outcome, WireState, choose_algorithm,
                          make_algorithm, run_compacted)
-from .buckets import Bucket, RankBuffers, Scratch, apply_scaled_delta, contribute, layout_buckets, update_momentum
+from .buckets import (Bucket, LeftOut, RankBuffers, Scratch, apply_scaled_delta, contribute, layout_buckets,
+                      update_momentum)
 from .collectives import CommStats, GroupTransport
 from .lion import Lion, param_tensors, check_grad
 from .quantize import NORMS, levels
@@ -215,8 +216,7 @@ class DistributedLion(Lion):
         self._algorithms: list = []
         self._buffers: list[RankBuffers] = []
         self._wire: list[WireState] = []
-        self._skip: list[Tensor] = []
-        self._kept: list[list[tuple[int, int]]] = []
+        self._left_out: list[LeftOut] = []
         self._sync = True
         self._step: Optional[_Step] = None
         self._hooks: list = []
@@ -228,9 +228,7 @@ class DistributedLion(Lion):
             self._scratch = Scratch()
             self._algorithms = [self._algorithm_for(b) for b in self.buckets]
             self._wire = [WireState(up="narrow" if a.name == "pbit" else "runs") for a in self._algorithms]
-            # Parameters no rank had a gradient for in the last step are left out of the next payload.
-            self._skip = [torch.zeros(len(b.params), dtype=torch.bool) for b in self.buckets]
-            self._kept = [[(0, b.numel)] for b in self.buckets]
+            self._left_out = [LeftOut(b) for b in self.buckets]
             self._trainable = {id(p) for b in self.buckets for p in b.params}
             # Optimizer state as views of per-bucket flat tensors: momenta and step counters.
             self._steps = [torch.zeros(len(b.params)) for b in self.buckets]
@@ -385,8 +383,9 @@ class DistributedLion(Lion):
             with record_function("dlion.contribute"):
                 contrib = self._contribute(k, step_no)
             with record_function("dlion.exchange"):
+                left_out = self._left_out[k]
                 gen = run_compacted(self._algorithms[k], self._wire[k], contrib, self.rank,
-                                    coin_key(self.seed, step_no, k), self._skip[k], self._kept[k])
+                                    coin_key(self.seed, step_no, k), left_out.skip, left_out.kept)
                 st.flights[k] = Flight(gen, self._first)
             st.issued += 1
 
@@ -465,10 +464,8 @@ class DistributedLion(Lion):
     def _finish(self, step_no: int, st: _Step) -> None:
         """Apply Δ and update momenta — or, if any rank failed, change nothing anywhere."""
         outcomes = [f.outcome for f in st.flights]
-        for k, o in enumerate(outcomes):  # identical on every rank, so every rank leaves out the same
-            skip = ~o.has_grad
-            if not torch.equal(skip, self._skip[k]):
-                self._skip[k], self._kept[k] = skip, self.buckets[k].ranges(o.has_grad.tolist())
+        for left_out, o in zip(self._left_out, outcomes):
+            left_out.update(o.has_grad)
         self.comm_stats.wait_s += sum(f.waited for f in st.flights)
         self.comm_stats.add_tallies([o.tally for o in outcomes if o.tally is not None])
         errors = [e for e in st.errors if e is not None]
@@ -633,7 +630,7 @@ class DistributedLion(Lion):
                        # the agreed wire formats (identical on every rank), so a resumed run sends the same bytes
                        "wire": [(w.up, w.down) for w in self._wire],
                        # which parameters the next step leaves out of the payload (no gradient anywhere last step)
-                       "skip": [skip.tolist() for skip in self._skip]}
+                       "skip": [left_out.skip.tolist() for left_out in self._left_out]}
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -670,9 +667,8 @@ class DistributedLion(Lion):
                     w.up, w.down = up, down
             skips = extra.get("skip") or []
             if [len(s) for s in skips] == [len(b.params) for b in self.buckets]:
-                for k, skip in enumerate(skips):
-                    self._skip[k] = torch.tensor(skip, dtype=torch.bool)
-                    self._kept[k] = self.buckets[k].ranges([not x for x in skip])
+                for left_out, skip in zip(self._left_out, skips):
+                    left_out.update(~torch.tensor(skip, dtype=torch.bool))
 
 
 def check_options(comm, aggregate, vote, quant_norm, quant_bits, momentum_sync, bucket_cap_mb,

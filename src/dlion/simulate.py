@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .aggregation import VoteRule, coin_key
 from .algorithms import Contribution, WireState, choose_algorithm, make_algorithm, run_compacted
-from .buckets import RankBuffers, Scratch, apply_scaled_delta, contribute, layout_buckets, update_momentum
+from .buckets import LeftOut, RankBuffers, Scratch, apply_scaled_delta, contribute, layout_buckets, update_momentum
 from .collectives import CommStats, simulate_collective
 from .distributed import check_options, momentum_sync_due
 from .lion import check_hyperparameters, check_momentum_dtype, check_params
@@ -68,8 +68,7 @@ class SimulatedDistributedLion:
         up = ["narrow" if a.name == "pbit" else "runs" for a in self.algorithms]
         self.wire = [[WireState(up=u) for _ in range(world_size)] for u in up]  # one per bucket per worker
         # as DistributedLion: parameters no worker had a gradient for last step are left out of the payload
-        self.skip = [torch.zeros(len(b.params), dtype=torch.bool) for b in self.buckets]
-        self.kept = [[(0, b.numel)] for b in self.buckets]
+        self.left_out = [LeftOut(b) for b in self.buckets]
         check_momentum_dtype(momentum_dtype)
         self.buffers = [[RankBuffers(b, momentum_dtype) for b in self.buckets] for _ in range(world_size)]
         self.updates = [b.flat() for b in self.buckets]
@@ -113,10 +112,10 @@ class SimulatedDistributedLion:
                 present.append(has)
                 contrib = Contribution(values, b.numel, torch.tensor(has, dtype=torch.bool), 0, 0, sizes=b.sizes)
                 gens.append(run_compacted(self.algorithms[kb], self.wire[kb][i], contrib, i,
-                                          coin_key(self.seed, step, kb), self.skip[kb], self.kept[kb]))
+                                          coin_key(self.seed, step, kb), self.left_out[kb].skip,
+                                          self.left_out[kb].kept))
             outcome = _lockstep(gens, self.comm_stats)
-            if not torch.equal(~outcome.has_grad, self.skip[kb]):
-                self.skip[kb], self.kept[kb] = ~outcome.has_grad, b.ranges(outcome.has_grad.tolist())
+            self.left_out[kb].update(outcome.has_grad)
             results.append((outcome, present))
         for kb, (b, (outcome, present)) in enumerate(zip(self.buckets, results)):
             active = outcome.has_grad.tolist()
