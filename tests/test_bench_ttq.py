@@ -47,6 +47,28 @@ def test_ttq_loopback_smoke(tmp_path, capsys):
     assert "target L" in capsys.readouterr().out
 
 
+def test_ttq_extend_trains_only_the_new_methods_with_the_stored_workload(tmp_path, capsys):
+    tiny = ["--workers", "2", "--steps", "6", "--eval-every", "3", "--eval-batches", "1", "--n-layer", "1",
+            "--n-embd", "32", "--n-head", "1", "--no-progress"]
+    assert ttq.main(tiny + ["--methods", "g-lion,d-mavo-1bit-ov", "--out", str(tmp_path / "both")]) == 0
+    assert ttq.main(tiny + ["--methods", "g-lion", "--out", str(tmp_path / "first")]) == 0
+    first = json.loads((tmp_path / "first" / "ttq_results.json").read_text())
+    # Flags of another workload are overridden by the stored one (n-embd 64 would change every curve).
+    assert ttq.main(["--workers", "2", "--n-embd", "64", "--no-progress", "--methods", "g-lion,d-mavo-1bit-ov",
+                     "--extend", str(tmp_path / "first" / "ttq_results.json"), "--out", str(tmp_path / "ext")]) == 0
+    assert "training d-mavo-1bit-ov" in capsys.readouterr().out
+    both = json.loads((tmp_path / "both" / "ttq_results.json").read_text())
+    ext = json.loads((tmp_path / "ext" / "ttq_results.json").read_text())
+    assert list(ext["curves"]) == ["g-lion", "d-mavo-1bit-ov"]
+    assert ext["curves"]["g-lion"] == first["curves"]["g-lion"]
+    assert ext["curves"]["d-mavo-1bit-ov"] == both["curves"]["d-mavo-1bit-ov"]  # as if trained in one run
+    assert ext["config"]["n_embd"] == 32 and ext["config"]["methods"] == ["g-lion", "d-mavo-1bit-ov"]
+    assert set(ext["runs"]) == {"g-lion", "d-mavo-1bit-ov"}
+    with pytest.raises(SystemExit):
+        ttq.main(["--workers", "3", "--extend", str(tmp_path / "first" / "ttq_results.json"), "--no-progress",
+                  "--out", str(tmp_path / "bad")])
+
+
 def test_ttq_hierarchical_and_bf16_momentum_report_their_state(tmp_path, capsys):
     # 4 ranks as 2 nodes × 2: the hierarchical method holds half a node momentum per rank; bf16 momentum is
     # half of fp32 — optimizer state bytes per rank against G-Lion's fp32 momentum, and a loss-vs-step plot

@@ -13,6 +13,9 @@
 3. **Time**: time-to-L at each link rate = steps-to-L × the method's median step time at
    that rate, read from a ``dlion bench e2e`` result (``--step-times``) measured on the
    virtual cluster with the *same* model, batch and rank count (checked).
+   ``--extend FILE`` adds methods to an earlier run: only the methods of ``--methods`` that
+   FILE lacks are trained, with FILE's workload (model, batch, lr, steps, seed), and their
+   curves join FILE's (G-Lion's included), so one slow method need not re-run the others.
 4. **Check** (``--check-link RATE``, root needed): train ``--check-methods`` for
    ``--check-steps`` steps end to end on the shaped links and compare the measured wall
    time with steps × the e2e step time (the composition above is trusted if they agree).
@@ -282,6 +285,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--target", type=float, default=None,
                     help="target validation loss L (default: G-Lion's final validation loss)")
     ap.add_argument("--curves", default=None, help="reuse the curves of an earlier ttq_results.json")
+    ap.add_argument("--extend", default=None,
+                    help="train only the --methods missing from this earlier ttq_results.json, with its workload, "
+                         "and merge the curves")
     ap.add_argument("--check-link", default=None, help="also train --check-methods end to end at this rate")
     ap.add_argument("--check-methods", default="d-mavo-1bit-ov,g-lion-powersgd2")
     ap.add_argument("--check-steps", type=int, default=100)
@@ -331,6 +337,19 @@ def main(argv: list[str]) -> int:
            "warmup_frac": args.warmup_frac, "methods": methods, "timeout": args.timeout, "synthetic": False,
            "sequential": True, "warmup": 0, "per_node": args.per_node,
            "nodes": args.workers // args.per_node if args.per_node else 0}
+    earlier = None
+    if args.extend:
+        if args.curves:
+            ap.error("--extend trains and merges; --curves only re-composes: give one of them")
+        with open(args.extend) as f:
+            earlier = json.load(f)
+        if earlier["workers"] != args.workers:
+            ap.error(f"--extend {args.extend} was run on {earlier['workers']} ranks, not --workers {args.workers}")
+        new = [m for m in methods if m not in earlier["curves"]]
+        cfg = {**{"per_node": 0, "nodes": 0}, **earlier["config"], "methods": new, "timeout": args.timeout}
+        methods = new
+        print(f"dlion bench ttq: workload of {args.extend} (its flags override these); "
+              f"training {', '.join(new) or 'nothing new'}")
     step_ms = _step_times(args.step_times, cfg, args.workers) if args.step_times else {}
     os.makedirs(args.out, exist_ok=True)
     bar = None
@@ -342,8 +361,8 @@ def main(argv: list[str]) -> int:
         except ImportError:
             bar = None
     t0 = time.time()
-    if args.curves:
-        with open(args.curves) as f:
+    if args.curves or (earlier is not None and not methods):
+        with open(args.curves or args.extend) as f:
             curves = {m: [tuple(p) for p in c] for m, c in json.load(f)["curves"].items()}
         extra = {}
     else:
@@ -356,6 +375,10 @@ def main(argv: list[str]) -> int:
         extra = {d["method"]: {"train_s": d["train_s"], "loopback_median_step_ms": d["median_step_ms"],
                                "params": d["params"], "optimizer_state_bytes": d["optimizer_state_bytes"]}
                  for d in per_rank[0]}
+        if earlier is not None:
+            curves = {**{m: [tuple(p) for p in c] for m, c in earlier["curves"].items()}, **curves}
+            extra = {**earlier.get("runs", {}), **extra}
+            cfg["methods"] = list(curves)
     if bar is not None:
         bar.close()
     links = sorted({k for m in step_ms.values() for k in m}, key=_rate_key)
