@@ -106,7 +106,10 @@ class Outcome:
 def vote_tally(s: Tensor, nz: Tensor, world: int, real: int) -> Tensor:
     """[voted, unanimous, tied] over the first ``real`` coordinates of (s, nz) (the rest is padding)."""
     s, nz = s[:max(0, real)], nz[:max(0, real)]
-    return torch.stack([(nz > 0).sum(), (s.abs() == world).sum(), ((s == 0) & (nz > 0)).sum()]).to(torch.int64)
+    # count_nonzero, not sums of bools (those widen every element to int64 first: 10x slower).
+    # A tie is a voted coordinate with s = 0, and s != 0 implies a vote: tied = voted - nonzero(s).
+    voted = torch.count_nonzero(nz)
+    return torch.stack([voted, torch.count_nonzero(s.abs() == world), voted - torch.count_nonzero(s)]).to(torch.int64)
 
 
 @dataclass

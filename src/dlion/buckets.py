@@ -202,6 +202,19 @@ def update_momentum(b: Bucket, buf: RankBuffers, present: list[bool], beta2: flo
             m.copy_(w)
 
 
+def scale_codes(codes: Tensor, out: Tensor, lr: float, divisor: int = 1) -> Tensor:
+    """η·Δ into ``out`` from the vote's integer codes: Δ = codes (MaVo) or codes / N (Avg,
+    ``divisor`` = N), each step rounded once like ``torch.mul(Δ, η)``; the codes widen inside
+    the op, with no copy to the work dtype first (where the op computes in ``out``'s dtype: integer
+    codes and a Python float promote to the default dtype, so e.g. fp64 copies first)."""
+    if torch.result_type(codes, lr) != out.dtype:
+        out.copy_(codes)
+        return (out.div_(divisor) if divisor != 1 else out).mul_(lr)
+    if divisor != 1:
+        return torch.div(codes, divisor, out=out).mul_(lr)
+    return torch.mul(codes, lr, out=out)
+
+
 def apply_scaled_delta(params: list[Tensor], scaled: list[Tensor], lr: float, weight_decay: float) -> None:
     """x ← x·(1 − η·λ); x ← x − (η·Δ) for parameters kept as separate tensors (their storage is
     the user's: checkpoints and safetensors see ordinary parameters), given η·Δ per parameter:
@@ -226,4 +239,5 @@ def _all_finite(c: Tensor) -> bool:
     return bool(torch.isfinite(torch.stack(torch.aminmax(c.reshape(-1)))).all()) if c.numel() else True
 
 
-__all__ += ["RankBuffers", "Scratch", "contribute", "update_momentum", "apply_scaled_delta", "Contribution"]
+__all__ += ["RankBuffers", "Scratch", "contribute", "update_momentum", "scale_codes", "apply_scaled_delta",
+            "Contribution"]

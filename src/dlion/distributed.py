@@ -49,7 +49,7 @@ from .aggregation import VoteRule, coin_key
 from .algorithms import (ALGORITHMS, BAD, NONFINITE, Contribution, Outcome, WireState, choose_algorithm,
                          make_algorithm, run_compacted)
 from .buckets import (Bucket, LeftOut, RankBuffers, Scratch, apply_scaled_delta, contribute, layout_buckets,
-                      update_momentum)
+                      scale_codes, update_momentum)
 from .collectives import CommStats, GroupTransport
 from .lion import Lion, param_tensors, check_grad
 from .quantize import NORMS, levels
@@ -510,11 +510,8 @@ class DistributedLion(Lion):
         active = o.has_grad.tolist()
         if any(active):
             buf = self._buffers[k]
-            update = buf.work
-            update.copy_(o.codes[:b.numel])
-            if self.rule.vote == "avg":
-                update.div_(self.world_size)
-            update.mul_(group["lr"])  # η·Δ, rounded once like torch.mul(Δ, η)
+            update = scale_codes(o.codes[:b.numel], buf.work, group["lr"],
+                                 self.world_size if self.rule.vote == "avg" else 1)
             if all(active):
                 ps, us = b.params, buf.work_views
             else:

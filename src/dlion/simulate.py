@@ -19,7 +19,8 @@ from torch import Tensor
 
 from .aggregation import VoteRule, coin_key
 from .algorithms import Contribution, WireState, choose_algorithm, make_algorithm, run_compacted
-from .buckets import LeftOut, RankBuffers, Scratch, apply_scaled_delta, contribute, layout_buckets, update_momentum
+from .buckets import (LeftOut, RankBuffers, Scratch, apply_scaled_delta, contribute, layout_buckets, scale_codes,
+                      update_momentum)
 from .collectives import CommStats, simulate_collective
 from .distributed import check_options, momentum_sync_due
 from .lion import check_hyperparameters, check_momentum_dtype, check_params
@@ -120,11 +121,8 @@ class SimulatedDistributedLion:
         for kb, (b, (outcome, present)) in enumerate(zip(self.buckets, results)):
             active = outcome.has_grad.tolist()
             if any(active):
-                update = self.updates[kb]
-                update.copy_(outcome.codes[:b.numel])
-                if self.rule.vote == "avg":
-                    update.div_(N)
-                update.mul_(self.lr)  # η·Δ, as DistributedLion applies it
+                update = scale_codes(outcome.codes[:b.numel], self.updates[kb], self.lr,
+                                     N if self.rule.vote == "avg" else 1)  # η·Δ, as DistributedLion applies it
                 views = b.views(update)
                 apply_scaled_delta([p for p, a in zip(b.params, active) if a],
                                    [u for u, a in zip(views, active) if a], self.lr, self.weight_decay)

@@ -25,7 +25,8 @@ import torch
 
 from dlion.aggregation import VoteRule
 from dlion.algorithms import Contribution, WireState, make_algorithm, padded_length
-from dlion.buckets import RankBuffers, Scratch, apply_scaled_delta, contribute, layout_buckets, update_momentum
+from dlion.buckets import (RankBuffers, Scratch, apply_scaled_delta, contribute, layout_buckets, scale_codes,
+                           update_momentum)
 from dlion.collectives import simulate_collective
 from dlion.lion import Lion
 
@@ -107,11 +108,7 @@ def run(n: int, world: int, vote: str, comm: str, repeat: int, device: str) -> d
     exchange_s = inside[0] / runs / world
 
     def apply():
-        work = bufs[0].work
-        work.copy_(outcome.codes[:b.numel])
-        if vote == "avg":
-            work.div_(world)
-        work.mul_(1e-4)
+        work = scale_codes(outcome.codes[:b.numel], bufs[0].work, 1e-4, world if vote == "avg" else 1)
         apply_scaled_delta([p.detach().view(-1)], [work], 1e-4, 0.1)
         update_momentum(b, bufs[0], [True], 0.99, scratch)
 
