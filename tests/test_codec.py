@@ -113,3 +113,21 @@ def test_tie_coins_are_chunk_independent_and_balanced():
 def test_bad_rule(bad, message):
     with pytest.raises(ValueError, match=message):
         VoteRule(world_size=4, **bad)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 200), st.integers(0, 300), st.sampled_from(["int8", "uint8", "bool"]), st.integers(0, 2**31 - 1))
+def test_row_sum_counts_like_a_wide_sum(rows, width, kind, seed):
+    from dlion.algorithms import row_sum
+
+    g = torch.Generator().manual_seed(seed)
+    if kind == "int8":  # sign votes, the extremes included (all −1 or all +1 in a column)
+        x = torch.randint(-1, 2, (rows, width), generator=g, dtype=torch.int8)
+        x[:, :1] = -1
+    else:
+        x = torch.randint(0, 2, (rows, width), generator=g, dtype=torch.uint8)
+        x[:, :1] = 1
+        x = x.bool() if kind == "bool" else x
+    want = [sum(int(x[r, j]) for r in range(rows)) for j in range(width)]
+    got = row_sum(x)
+    assert got.dtype == torch.int16 and got.tolist() == want
