@@ -91,12 +91,14 @@ class SignCodec:
     _luts: dict = {}
 
     def decode(self, packed: Tensor, n: int) -> Tensor:
-        # A 256×8 table of ±1 rows: one gather per byte beats unpack-then-convert.
+        # A table of 256 int64 words, each the 8 ±1 bytes of one packed byte: one 8-byte gather per
+        # byte (int32 indices) beats both unpack-then-convert and a gather of 8 one-byte columns.
         lut = self._luts.get(packed.device)
         if lut is None:
             bits = (torch.arange(256).view(-1, 1) >> torch.arange(8)) & 1
-            lut = self._luts[packed.device] = (bits * 2 - 1).to(torch.int8).to(packed.device)
-        return torch.index_select(lut, 0, packed.long()).view(-1)[:n]
+            rows = (bits * 2 - 1).to(torch.int8).contiguous()
+            lut = self._luts[packed.device] = rows.view(-1).view(torch.int64).to(packed.device)
+        return torch.index_select(lut, 0, packed.to(torch.int32)).view(torch.int8)[:n]
 
 
 class TritCodec:
