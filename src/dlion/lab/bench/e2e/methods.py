@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 POWERSGD = tuple(f"g-{opt}-powersgd{r}" for opt in ("lion", "adamw") for r in (1, 2, 4))
 BASELINES = ("compute", "sync-only", "g-adamw", "g-lion", "g-lion-bf16") + POWERSGD + ("ddp-dlion-hook",)
 DLION = tuple(f"d-{vote}-{comm}{ov}" for vote in ("mavo", "avg") for comm in ("allgather", "1bit", "pbit")
-              for ov in ("", "-ov")) + ("d-mavo-quant", "d-mavo-quant-ov", "d-mavo-1bit-ov-rt", "d-mavo-1bit-ov-m16")
+              for ov in ("", "-ov")) + ("d-mavo-quant", "d-mavo-quant-ov", "d-mavo-1bit-ov-rt", "d-mavo-1bit-ov-m16") \
+    + ("d-mavo-1bit-1b", "d-mavo-1bit-rt-1b", "d-avg-1bit-1b")  # -1b: the whole model in one bucket, like PowerSGD
 HIER = ("h-mavo-1bit", "h-mavo-allgather", "h-avg-1bit")  # HierarchicalDistributedLion (needs --nodes)
 METHODS = BASELINES + DLION + HIER
 GROUPS = {
@@ -47,7 +48,8 @@ def label(method: str) -> str:
     vote, comm, ov, rt, m16 = parts[1], parts[2], "ov" in parts[3:], "rt" in parts[3:], "m16" in parts[3:]
     comm = {"quant": "quantized int8", "allgather": "allgather (naive)"}.get(comm, comm)
     return (f"D-Lion {'MaVo' if vote == 'mavo' else 'Avg'} {comm}{' +overlap' if ov else ''}"
-            f"{' +random ties' if rt else ''}{' +bf16 momentum' if m16 else ''}")
+            f"{' +random ties' if rt else ''}{' +bf16 momentum' if m16 else ''}"
+            f"{', one bucket' if '1b' in parts[3:] else ''}")
 
 
 def parse_methods(text: str) -> list[str]:
@@ -206,7 +208,8 @@ class MethodRun:
                 model.parameters(), lr=lr, betas=betas, weight_decay=wd, vote=vote,
                 ties="random" if "rt" in rest else cfg["ties"],
                 comm="1bit" if quant else comm, aggregate="quantized" if quant else "sign",
-                quant_bits=cfg["quant_bits"], overlap="ov" in rest, bucket_cap_mb=cfg["bucket_mb"],
+                quant_bits=cfg["quant_bits"], overlap="ov" in rest,
+                bucket_cap_mb=POWERSGD_BUCKET_MB if "1b" in rest else cfg["bucket_mb"],
                 momentum_dtype=torch.bfloat16 if "m16" in rest else None)
             self.opt.check_replicas()
         self.step_s: list[float] = []

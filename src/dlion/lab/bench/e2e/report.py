@@ -64,9 +64,10 @@ def table(link: str, bps: Optional[int], rows: dict, cfg: dict, world: int) -> s
     lines = [f"link {link}: {world} ranks, CharGPT {nparams / 1e6:.2f} M parameters "
              f"(n_layer {cfg['n_layer']}, n_embd {cfg['n_embd']}), batch {cfg['batch_size']}×{cfg['block_size']} "
              f"tokens per rank, buckets of {cfg['bucket_mb']:g} MB, median of {cfg['steps']} steps × {world} ranks"]
-    head = (f"{'method':<38} {'ms/step':>8} {'vs G-Lion':>9} {'×compute':>8} {'fwd+bwd':>8} "
+    w = max([38] + [len(label(m)) for m in rows])
+    head = (f"{'method':<{w}} {'ms/step':>8} {'vs G-Lion':>9} {'×compute':>8} {'fwd+bwd':>8} "
             f"{'MB sent':>8} {'bits/param':>10} {'wire ms':>8}")
-    lines += [head, f"{'':<38} {'':>8} {'(speedup)':>9} {'':>8} {'ms':>8} {'/rank/step':>8} {'sent':>10} "
+    lines += [head, f"{'':<{w}} {'':>8} {'(speedup)':>9} {'':>8} {'ms':>8} {'/rank/step':>8} {'sent':>10} "
                     f"{'(ideal)':>8}", "-" * len(head)]
     for m, r in rows.items():
         ms = r["ms_per_step"]
@@ -76,7 +77,7 @@ def table(link: str, bps: Optional[int], rows: dict, cfg: dict, world: int) -> s
         bits = 8 * sent / r["params"]
         # hierarchical: only the bytes between nodes meet the shaped link (inside a node it is unshaped)
         wire = f"{8e3 * r.get('inter_node_bytes_sent_per_step', sent) / bps:>8.1f}" if bps else f"{'-':>8}"
-        lines.append(f"{label(m):<38} {ms:>8.1f} {speed} {frac} {r['fwd_bwd_ms']:>8.1f} {sent / 1e6:>8.3f} "
+        lines.append(f"{label(m):<{w}} {ms:>8.1f} {speed} {frac} {r['fwd_bwd_ms']:>8.1f} {sent / 1e6:>8.3f} "
                      f"{bits:>10.3f} {wire}")
     if any("uplink_bytes_per_step" in r for r in rows.values()):
         lines.append("(hierarchical methods: 'MB sent' counts the bytes inside the node too; 'wire ms' only those "
@@ -88,7 +89,7 @@ def table(link: str, bps: Optional[int], rows: dict, cfg: dict, world: int) -> s
                 split = (f"  (per rank: {r['inter_node_bytes_sent_per_step'] / 1e6:.3f} MB sent between nodes, "
                          f"{r['intra_node_bytes_sent_per_step'] / 1e6:.3f} MB inside its node)"
                          if "inter_node_bytes_sent_per_step" in r else "")
-                lines.append(f"  {label(m):<38} {r['uplink_bytes_per_step'] / 1e6:>8.3f} MB "
+                lines.append(f"  {label(m):<{w}} {r['uplink_bytes_per_step'] / 1e6:>8.3f} MB "
                              f"{8 * r['uplink_bytes_per_step'] / r['params']:>7.3f} bits/param{split}")
     if comp and glion:
         comm = glion - comp
