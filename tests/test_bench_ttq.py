@@ -67,6 +67,13 @@ def test_ttq_extend_trains_only_the_new_methods_with_the_stored_workload(tmp_pat
     with pytest.raises(SystemExit):
         ttq.main(["--workers", "3", "--extend", str(tmp_path / "first" / "ttq_results.json"), "--no-progress",
                   "--out", str(tmp_path / "bad")])
+    # Re-composing stored curves takes their workload too (the default flags describe another model).
+    assert ttq.main(["--curves", str(tmp_path / "ext" / "ttq_results.json"), "--target", "99",
+                     "--out", str(tmp_path / "again")]) == 0
+    again = json.loads((tmp_path / "again" / "ttq_results.json").read_text())
+    assert again["curves"] == ext["curves"] and again["config"]["n_embd"] == 32 and again["workers"] == 2
+    assert set(again["runs"]) == {"g-lion", "d-mavo-1bit-ov"}
+    assert all(m["steps_to_target"] == 0 for m in again["composed"]["methods"].values())  # L = 99: at step 0
 
 
 def test_ttq_hierarchical_and_bf16_momentum_report_their_state(tmp_path, capsys):

@@ -284,7 +284,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--step-times", default=None, help="e2e_results.json of `dlion bench e2e` with this model")
     ap.add_argument("--target", type=float, default=None,
                     help="target validation loss L (default: G-Lion's final validation loss)")
-    ap.add_argument("--curves", default=None, help="reuse the curves of an earlier ttq_results.json")
+    ap.add_argument("--curves", default=None, help="re-compose the curves of an earlier ttq_results.json (its workload; no training)")
     ap.add_argument("--extend", default=None,
                     help="train only the --methods missing from this earlier ttq_results.json, with its workload, "
                          "and merge the curves")
@@ -338,9 +338,14 @@ def main(argv: list[str]) -> int:
            "sequential": True, "warmup": 0, "per_node": args.per_node,
            "nodes": args.workers // args.per_node if args.per_node else 0}
     earlier = None
+    if args.curves and args.extend:
+        ap.error("--extend trains and merges; --curves only re-composes: give one of them")
+    if args.curves:  # re-compose: the workload is the stored run's, whatever the flags say
+        with open(args.curves) as f:
+            stored = json.load(f)
+        cfg = {**{"per_node": 0, "nodes": 0}, **stored["config"], "timeout": args.timeout}
+        args.workers = stored["workers"]
     if args.extend:
-        if args.curves:
-            ap.error("--extend trains and merges; --curves only re-composes: give one of them")
         with open(args.extend) as f:
             earlier = json.load(f)
         if earlier["workers"] != args.workers:
@@ -353,18 +358,19 @@ def main(argv: list[str]) -> int:
     step_ms = _step_times(args.step_times, cfg, args.workers) if args.step_times else {}
     os.makedirs(args.out, exist_ok=True)
     bar = None
-    if not args.no_progress:
+    if not args.no_progress and not args.curves and methods:
         try:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(methods) * args.steps, desc="ttq curves", unit="step")
+            bar = tqdm(total=len(methods) * cfg["steps"], desc="ttq curves", unit="step")
         except ImportError:
             bar = None
     t0 = time.time()
     if args.curves or (earlier is not None and not methods):
         with open(args.curves or args.extend) as f:
-            curves = {m: [tuple(p) for p in c] for m, c in json.load(f)["curves"].items()}
-        extra = {}
+            stored = json.load(f)
+        curves = {m: [tuple(p) for p in c] for m, c in stored["curves"].items()}
+        extra = stored.get("runs", {})
     else:
         from .launch import run_loopback
 
