@@ -409,11 +409,11 @@ def main(argv: list[str]) -> int:
     if links:
         plot(curves, step_ms, comp, links, os.path.join(args.out, "ttq_loss_vs_time.png"),
              f"dlion bench ttq: {args.workers} ranks, CharGPT {p / 1e6 if p else 0:.2f} M params, "
-             f"{args.steps} steps; time = steps × step time measured on the shaped links")
+             f"{cfg['steps']} steps; time = steps × step time measured on the shaped links")
     else:
         plot_steps(curves, comp, os.path.join(args.out, "ttq_loss_vs_step.png"),
                    f"dlion bench ttq: {args.workers} ranks, CharGPT {p / 1e6 if p else 0:.2f} M params, "
-                   f"{args.steps} steps (no step times given)")
+                   f"{cfg['steps']} steps (no step times given)")
     print(f"wrote {os.path.join(args.out, 'ttq_results.json')}, ttq_table.txt, "
           + ("ttq_loss_vs_time.png" if links else "ttq_loss_vs_step.png"))
     return 0
