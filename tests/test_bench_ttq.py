@@ -91,3 +91,14 @@ def test_ttq_hierarchical_and_bf16_momentum_report_their_state(tmp_path, capsys)
     assert 2 * params <= state["h-mavo-1bit"] < 2 * params + 4 * 40 * 4 * 8  # half of it, plus slice padding
     assert (tmp_path / "ttq_loss_vs_step.png").stat().st_size > 0
     assert "optimizer state per rank" in capsys.readouterr().out
+
+
+def test_ttq_plot_draws_more_methods_than_it_has_colours(tmp_path):
+    from dlion.lab.bench.e2e.methods import METHODS
+
+    methods = [m for m in METHODS if m != "ddp-dlion-hook"][:20]  # more than the palette's 12 colours
+    curves = {m: [(0, 4.0), (50, 3.0 - 0.01 * i), (100, 2.5 - 0.01 * i)] for i, m in enumerate(methods)}
+    step_ms = {m: {"50mbit": 100.0 + i, "1gbit": 50.0 + i} for i, m in enumerate(methods)}
+    comp = ttq.compose(curves, step_ms, reference=methods[0])
+    ttq.plot(curves, step_ms, comp, ["50mbit", "1gbit"], str(tmp_path / "p.png"), "t")
+    assert (tmp_path / "p.png").stat().st_size > 0

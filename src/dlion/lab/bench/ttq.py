@@ -28,6 +28,7 @@ panel per link rate).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -230,8 +231,8 @@ def plot(curves: dict, step_ms: dict, comp: dict, links: list[str], path: str, t
 
     fig, axes = plt.subplots(1, len(links), figsize=(5.5 * len(links), 5), squeeze=False)
     for ax, link in zip(axes[0], links):
-        palette = iter(["tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray",
-                        "gold", "navy"])
+        palette = itertools.cycle(["tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan",
+                                   "tab:gray", "gold", "navy", "teal", "crimson", "darkkhaki"])
         for m, curve in curves.items():
             ms = step_ms.get(m, {}).get(link)
             if ms is None:
