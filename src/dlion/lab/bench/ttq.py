@@ -226,6 +226,7 @@ def plot(curves: dict, step_ms: dict, comp: dict, links: list[str], path: str, t
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401  (matplotlib.ticker below)
 
     from .e2e.methods import label
 
@@ -249,6 +250,7 @@ def plot(curves: dict, step_ms: dict, comp: dict, links: list[str], path: str, t
             ax.plot([x for x, _ in pts], [y for _, y in pts], label=label(m), **style)
         ax.axhline(comp["target_loss"], color="black", ls=":", lw=1)
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # a narrow range labels every minor tick
         ax.set_xlabel("wall clock (s, log scale): steps × measured step time")
         ax.set_ylabel("validation loss (nats/char)")
         ax.set_title(f"link {link}")
