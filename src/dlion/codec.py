@@ -79,9 +79,7 @@ class SignCodec:
 
     def encode(self, values: Tensor) -> Tensor:
         if values.device.type == "cpu":  # numpy's comparison of small ints is several times faster than torch's
-            if values.numel() % 8:
-                raise ValueError(f"pack_bits needs a length that is a multiple of 8, got {values.numel()}")
-            return torch.from_numpy(np.packbits(values.contiguous().numpy() > 0, bitorder="little"))
+            return pack_bits(torch.from_numpy(values.contiguous().numpy() > 0))
         return pack_bits(values > 0)
 
     def decode_bits(self, packed: Tensor, n: int) -> Tensor:

@@ -340,24 +340,21 @@ def main(argv: list[str]) -> int:
            "warmup_frac": args.warmup_frac, "methods": methods, "timeout": args.timeout, "synthetic": False,
            "sequential": True, "warmup": 0, "per_node": args.per_node,
            "nodes": args.workers // args.per_node if args.per_node else 0}
-    earlier = None
     if args.curves and args.extend:
         ap.error("--extend trains and merges; --curves only re-composes: give one of them")
-    if args.curves:  # re-compose: the workload is the stored run's, whatever the flags say
-        with open(args.curves) as f:
+    stored = None  # the earlier run whose workload (and curves) this one takes
+    if args.curves or args.extend:
+        with open(args.curves or args.extend) as f:
             stored = json.load(f)
-        cfg = {**{"per_node": 0, "nodes": 0}, **stored["config"], "timeout": args.timeout}
+        cfg = {"per_node": 0, "nodes": 0, **stored["config"], "timeout": args.timeout}
+    if args.curves:
         args.workers = stored["workers"]
     if args.extend:
-        with open(args.extend) as f:
-            earlier = json.load(f)
-        if earlier["workers"] != args.workers:
-            ap.error(f"--extend {args.extend} was run on {earlier['workers']} ranks, not --workers {args.workers}")
-        new = [m for m in methods if m not in earlier["curves"]]
-        cfg = {**{"per_node": 0, "nodes": 0}, **earlier["config"], "methods": new, "timeout": args.timeout}
-        methods = new
+        if stored["workers"] != args.workers:
+            ap.error(f"--extend {args.extend} was run on {stored['workers']} ranks, not --workers {args.workers}")
+        methods = cfg["methods"] = [m for m in methods if m not in stored["curves"]]
         print(f"dlion bench ttq: workload of {args.extend} (its flags override these); "
-              f"training {', '.join(new) or 'nothing new'}")
+              f"training {', '.join(methods) or 'nothing new'}")
     step_ms = _step_times(args.step_times, cfg, args.workers) if args.step_times else {}
     os.makedirs(args.out, exist_ok=True)
     bar = None
@@ -369,9 +366,7 @@ def main(argv: list[str]) -> int:
         except ImportError:
             bar = None
     t0 = time.time()
-    if args.curves or (earlier is not None and not methods):
-        with open(args.curves or args.extend) as f:
-            stored = json.load(f)
+    if stored is not None and not (args.extend and methods):  # nothing to train
         curves = {m: [tuple(p) for p in c] for m, c in stored["curves"].items()}
         extra = stored.get("runs", {})
     else:
@@ -384,9 +379,9 @@ def main(argv: list[str]) -> int:
         extra = {d["method"]: {"train_s": d["train_s"], "loopback_median_step_ms": d["median_step_ms"],
                                "params": d["params"], "optimizer_state_bytes": d["optimizer_state_bytes"]}
                  for d in per_rank[0]}
-        if earlier is not None:
-            curves = {**{m: [tuple(p) for p in c] for m, c in earlier["curves"].items()}, **curves}
-            extra = {**earlier.get("runs", {}), **extra}
+        if stored is not None:  # --extend: the earlier curves first, then the new ones
+            curves = {**{m: [tuple(p) for p in c] for m, c in stored["curves"].items()}, **curves}
+            extra = {**stored.get("runs", {}), **extra}
             cfg["methods"] = list(curves)
     if bar is not None:
         bar.close()
