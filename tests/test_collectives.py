@@ -11,7 +11,7 @@ from dlion.algorithms import (ALGORITHMS, Contribution, WireState, choose_algori
                               zero_runs)
 from dlion.codec import ALIGN
 from dlion.collectives import CommStats, GroupTransport, field_width
-from dlion.distributed import Flight
+from dlion.pipeline import Flight
 from dlion.simulate import _lockstep
 from dlion.lab.spawn import spawn
 

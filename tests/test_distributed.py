@@ -555,7 +555,9 @@ def skip_worker(rank, world, configs):
         try:
             def build():
                 return dlion.DistributedLion(params, lr=LR, betas=BETAS, weight_decay=WD, vote=cfg["vote"],
-                                             ties=cfg.get("ties", "zero"), comm=cfg.get("comm", "1bit"))
+                                             ties=cfg.get("ties", "zero"), comm=cfg.get("comm", "1bit"),
+                                             overlap=cfg.get("overlap", False),
+                                             bucket_cap_mb=cfg.get("bucket_cap_mb", 25.0))
             opt = build()
             per_step, calls = [], []
             for t in range(SKIP_STEPS):
@@ -652,6 +654,25 @@ def test_abstentions_on_whole_parameters_keep_the_1bit_path(world):
         header = 2 * 64 * world
         for t in range(1, SKIP_STEPS):
             assert res["per_step"][t] <= 1.05 * bound + header, (cfg, t, res["per_step"], bound)
+
+
+# One parameter per bucket and overlap=True: the exchange thread walks the buckets' later collectives
+# (re-sends of left-out parameters, Avg's extra gather) in slot order (dlion.pipeline).
+PIPELINE_CONFIGS = [dict(vote="mavo", overlap=True, bucket_cap_mb=40 * 4 / 2**20),
+                    dict(vote="mavo", ties="random", overlap=True, bucket_cap_mb=40 * 4 / 2**20),
+                    dict(vote="avg", schedule="dead", overlap=True, bucket_cap_mb=40 * 4 / 2**20),
+                    dict(vote="mavo", schedule="partial", overlap=True, bucket_cap_mb=40 * 4 / 2**20)]
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_buckets_with_chains_of_different_lengths_stay_exact_with_the_exchange_thread(world):
+    """Three buckets whose collective chains differ in length from step to step (a re-send in
+    full, an extra gather, none): bitwise the paper's update on every rank, with overlap=True."""
+    results = run_against_reference(world, PIPELINE_CONFIGS)
+    for cfg, res in zip(PIPELINE_CONFIGS, results):
+        assert len(res["layout"]) == 3 and len({b for b, _, _ in res["layout"]}) == 3, res["layout"]
+    # skip schedule: steps 4 and 7 re-send the left-out bucket in full (two more collectives)
+    assert results[0]["calls"][4] > results[0]["calls"][3], results[0]["calls"]
 
 
 DEAD_CONFIGS = [dict(vote="mavo", schedule="dead"), dict(vote="mavo", ties="random", schedule="dead"),

@@ -24,6 +24,7 @@ Never SUM-all-reduce bit-packed bytes: the bits would carry into each other;
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -48,6 +49,9 @@ def bytes_moved(kind: str, nbytes: int, world: int) -> float:
     raise ValueError(f"unknown collective {kind!r}")
 
 
+_ADD_LOCK = threading.Lock()
+
+
 @dataclass
 class CommStats:
     """Cumulative traffic of one rank: bytes sent and received through collectives,
@@ -65,12 +69,13 @@ class CommStats:
     tied: int = 0           # … where the votes cancelled (s = 0, some rank voted)
 
     def add(self, kind: str, sent: float, received: float) -> None:
-        self.bytes_sent += int(round(sent))
-        self.bytes_received += int(round(received))
-        self.collectives += 1
-        k = self.by_kind.setdefault(kind, [0, 0])
-        k[0] += int(round(sent))
-        k[1] += int(round(received))
+        with _ADD_LOCK:  # the exchange thread of overlap=True issues collectives too
+            self.bytes_sent += int(round(sent))
+            self.bytes_received += int(round(received))
+            self.collectives += 1
+            k = self.by_kind.setdefault(kind, [0, 0])
+            k[0] += int(round(sent))
+            k[1] += int(round(received))
 
     def add_tallies(self, tallies: list) -> None:
         """Add vote tallies ([voted, unanimous, tied] tensors, see ``algorithms.vote_tally``)."""

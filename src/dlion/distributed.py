@@ -27,15 +27,15 @@ all with ``async_op=True``; a bucket is re-sent once in base 3 only when some
 rank's abstentions stop fitting the run table. The first collective of every bucket is
 issued before any is waited on. With ``overlap=True`` a bucket's contribution
 and first collective start from gradient hooks as soon as backward has produced
-its last gradient, and, on the default group, its second collective goes on a
-second process group so that ranks never disagree on the order of collectives.
+its last gradient, and, on the default group, its later collectives go on a
+second process group so that ranks never disagree on the order of collectives;
+an exchange thread issues them as soon as they can go (:mod:`dlion.pipeline`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import struct
-import time
 import warnings
 import zlib
 from typing import Callable, Iterable, Optional, Union
@@ -51,10 +51,11 @@ from .algorithms import (ALGORITHMS, BAD, NONFINITE, Contribution, Outcome, Wire
 from .buckets import (Bucket, LeftOut, RankBuffers, Scratch, apply_scaled_delta, contribute, layout_buckets,
                       scale_codes, update_momentum)
 from .collectives import CommStats, GroupTransport
+from .pipeline import Flight, Pipeline
 from .lion import Lion, param_tensors, check_grad
 from .quantize import NORMS, levels
 
-__all__ = ["DistributedLion", "DesyncError", "momentum_sync_due", "Flight", "reject_unsupported", "bits_checksum",
+__all__ = ["DistributedLion", "DesyncError", "momentum_sync_due", "reject_unsupported", "bits_checksum",
            "average_momenta", "checksum_table", "raise_if_diverged"]
 
 AGGREGATES = ("sign", "quantized")
@@ -75,44 +76,17 @@ def momentum_sync_due(schedule: Union[str, int], step: int) -> bool:
     return step % int(schedule) == 0
 
 
-class Flight:
-    """One bucket's exchange in flight: drives the algorithm's generator over transports."""
-
-    def __init__(self, gen, first: GroupTransport):
-        self.gen = gen
-        self.outcome: Optional[Outcome] = None
-        self.waited = 0.0  # seconds blocked in wait()
-        kind, send, label = next(gen)
-        self.work, self.out = first.issue(kind, send, label)
-
-    def advance(self, transport: GroupTransport, block: bool) -> bool:
-        """Feed finished collectives to the algorithm and issue what it asks next; True when done."""
-        while self.outcome is None:
-            if not block and not self.work.is_completed():
-                return False
-            t = time.perf_counter()
-            self.work.wait()
-            self.waited += time.perf_counter() - t
-            try:
-                kind, send, label = self.gen.send(self.out)
-            except StopIteration as stop:
-                self.outcome = stop.value
-                return True
-            self.work, self.out = transport.issue(kind, send, label)
-        return True
-
-
 class _Step:
     """The buckets of one step: which are issued, which are done."""
 
     def __init__(self, opt: "DistributedLion"):
-        self.flights: list[Optional[Flight]] = [None] * len(opt.buckets)
+        self.pipeline = Pipeline(len(opt.buckets), opt._first, opt._second, threaded=opt.overlap,
+                                 device=opt.buckets[0].device if opt.buckets else None)
         self.present: list = [None] * len(opt.buckets)
         self.errors: list = [None] * len(opt.buckets)
         self.pending = [set(range(len(b.params))) for b in opt.buckets]
         self.seen: set = set()
         self.issued = 0    # buckets 0 … issued−1 have their first collective in flight
-        self.advanced = 0  # buckets 0 … advanced−1 are done
         self.stale = False  # a gradient was accumulated again after its bucket was sent
 
 
@@ -386,17 +360,8 @@ class DistributedLion(Lion):
                 left_out = self._left_out[k]
                 gen = run_compacted(self._algorithms[k], self._wire[k], contrib, self.rank,
                                     coin_key(self.seed, step_no, k), left_out.skip, left_out.kept)
-                st.flights[k] = Flight(gen, self._first)
+                st.pipeline.add(Flight(gen, self._first))
             st.issued += 1
-
-    def _advance(self, block: bool) -> None:
-        """Drive the buckets' later collectives, strictly in bucket order."""
-        st = self._step
-        while st.advanced < st.issued:
-            with record_function("dlion.exchange"):
-                if not st.flights[st.advanced].advance(self._second, block):
-                    return
-            st.advanced += 1
 
     # -- the step ---------------------------------------------------------------
     #: ``torch.amp.GradScaler.step(opt)`` hands itself to ``step`` (``grad_scaler=``): the gradients are
@@ -428,10 +393,11 @@ class DistributedLion(Lion):
         for pending in st.pending:  # buckets whose hooks did not all fire (unused parameters, no overlap)
             pending.clear()
         self._issue_ready(step_no)
-        self._advance(block=True)
+        with record_function("dlion.exchange"):
+            outcomes = st.pipeline.finish()
         self._step = None
         with record_function("dlion.apply"):
-            self._finish(step_no, st)
+            self._finish(step_no, st, outcomes)
         return loss
 
     def _scaled_step(self, closure, scaler):
@@ -461,12 +427,11 @@ class DistributedLion(Lion):
             f.fill_(inf)
         return loss
 
-    def _finish(self, step_no: int, st: _Step) -> None:
+    def _finish(self, step_no: int, st: _Step, outcomes: list[Outcome]) -> None:
         """Apply Δ and update momenta — or, if any rank failed, change nothing anywhere."""
-        outcomes = [f.outcome for f in st.flights]
         for left_out, o in zip(self._left_out, outcomes):
             left_out.update(o.has_grad)
-        self.comm_stats.wait_s += sum(f.waited for f in st.flights)
+        self.comm_stats.wait_s += st.pipeline.blocked
         self.comm_stats.add_tallies([o.tally for o in outcomes if o.tally is not None])
         errors = [e for e in st.errors if e is not None]
         if errors:
@@ -558,7 +523,7 @@ class DistributedLion(Lion):
         for pending in self._step.pending:
             pending.clear()
         self._issue_ready(self.step_count)
-        self._advance(block=True)
+        self._step.pipeline.finish()
         self._step = None
 
     # -- Lion Cub extras ---------------------------------------------------------
@@ -605,8 +570,6 @@ class DistributedLion(Lion):
         if k == st.issued:
             with torch.no_grad():
                 self._issue_ready(self.step_count)
-                if self._second is not self._first:
-                    self._advance(block=False)
 
     @contextlib.contextmanager
     def no_sync(self):

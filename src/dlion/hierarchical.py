@@ -43,7 +43,8 @@ from .aggregation import VoteRule, coin_key
 from .algorithms import BAD, NONFINITE, Contribution, Outcome, WireState, choose_algorithm, make_algorithm
 from .buckets import Bucket, RankBuffers, Scratch, apply_scaled_delta, contribute, layout_buckets, update_momentum
 from .collectives import CommStats, GroupTransport
-from .distributed import (DesyncError, Flight, average_momenta, check_options, checksum_table, momentum_sync_due,
+from .pipeline import Flight, Pipeline
+from .distributed import (DesyncError, average_momenta, check_options, checksum_table, momentum_sync_due,
                           raise_if_diverged, reject_unsupported)
 from .lion import Lion, check_grad
 from .quantize import levels
@@ -349,9 +350,11 @@ class HierarchicalDistributedLion(Lion):
             gen = self._algorithms[k].run(self._wire[k], contrib, self.node,
                                           coin_key(self.seed, step_no, k * L + self.local_rank))
             flights.append(Flight(gen, self._inter))
-        # 3. across nodes: the later collectives of each vote, in bucket order
+        # 3. across nodes: the later collectives of each vote, in slot order (dlion.pipeline)
+        pipeline = Pipeline(len(flights), self._inter, self._inter)
         for f in flights:
-            f.advance(self._inter, block=True)
+            pipeline.add(f)
+        pipeline.finish()
         # 4. inside the node: all-gather of every slice's codes and flags
         gathers = []
         for k, f in enumerate(flights):

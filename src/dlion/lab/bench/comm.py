@@ -29,7 +29,7 @@ import torch.distributed as dist
 from dlion.aggregation import VoteRule
 from dlion.algorithms import ALGORITHMS, Contribution, WireState, make_algorithm, padded_length
 from dlion.collectives import CommStats, GroupTransport
-from dlion.distributed import Flight
+from dlion.pipeline import Flight
 from dlion.lab.bench.codec import parse_count
 from dlion.lab.spawn import spawn
 

@@ -1,0 +1,183 @@
+"""The buckets of one step in flight, and the order their collectives go out in.
+
+Gloo and NCCL pair the collectives of a process group by the order they are
+issued in, so every rank must issue the same collectives in the same order. Each
+bucket's algorithm yields a chain of collectives (``1bit``: an ``all_to_all`` of
+signs, then an ``all_gather`` of the vote's codes; rarely one more, a re-send in
+base 3), each one depending on the result of the one before.
+
+* The **first** collective of every bucket goes on ``first``, in bucket order:
+  from backward's gradient hooks with ``overlap=True``, else from ``step()``.
+* Every **later** collective goes on ``second`` in *slot order*. The j-th later
+  collective of bucket k is slot (j, k); slots are taken row by row, (1, 0),
+  (1, 1), …, (1, K−1), (2, 0), …, and a bucket whose chain has ended leaves its
+  slot empty. A slot is issued as soon as its bucket's previous collective has
+  completed and every slot before it has been issued (not completed): bucket
+  k's way back goes on the wire while bucket k−1's is still there, instead of
+  after it.
+
+Which slots exist depends only on what the collectives returned, which is the
+same on every rank, so the order on ``second`` is the same everywhere. When
+``second`` is ``first`` (one process group), no later collective is issued
+before the last bucket's first one, so the two kinds never interleave.
+
+With ``threaded=True`` (``overlap=True``), a background thread walks the slots
+while backward runs: it blocks on the collective its next slot depends on, hands
+the result to the algorithm (the vote of a received chunk, the decoding of the
+gathered codes) and issues the next collective the moment it can, not when the
+next gradient hook happens to fire. ``finish()`` waits for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Optional
+
+import torch
+from torch.profiler import record_function
+
+from .collectives import GroupTransport
+
+__all__ = ["Flight", "Pipeline"]
+
+
+class Flight:
+    """One bucket's exchange: drives the algorithm's generator over transports.
+
+    At any time the flight either has a collective in flight (``work``), holds
+    the next one the algorithm asked for (``request``, not issued yet) or is done
+    (``outcome``). ``later`` counts the collectives issued after the first.
+    """
+
+    def __init__(self, gen, first: GroupTransport):
+        self.gen = gen
+        self.outcome = None
+        self.request: Optional[tuple] = None
+        self.later = 0
+        self.waited = 0.0  # seconds blocked in wait()
+        kind, send, label = next(gen)
+        self.work, self.out = first.issue(kind, send, label)
+
+    @property
+    def running(self) -> bool:
+        return self.work is not None
+
+    def feed(self) -> None:
+        """Wait for the collective in flight and hand its result to the algorithm."""
+        t = time.perf_counter()
+        self.work.wait()
+        self.waited += time.perf_counter() - t
+        out, self.work, self.out = self.out, None, None
+        try:
+            self.request = self.gen.send(out)
+        except StopIteration as stop:
+            self.outcome = stop.value
+
+    def issue(self, transport: GroupTransport) -> None:
+        """Issue the collective the algorithm asked for."""
+        (kind, send, label), self.request = self.request, None
+        self.work, self.out = transport.issue(kind, send, label)
+        self.later += 1
+
+    def advance(self, transport: GroupTransport, block: bool) -> bool:
+        """Drive this flight alone (its later collectives on ``transport``); True when done."""
+        while self.outcome is None:
+            if self.request is None:
+                if not block and not self.work.is_completed():
+                    return False
+                self.feed()
+            if self.request is not None:
+                self.issue(transport)
+        return True
+
+
+class Pipeline:
+    """The ``buckets`` flights of one step; later collectives issued in slot order (module doc)."""
+
+    def __init__(self, buckets: int, first: GroupTransport, second: GroupTransport, threaded: bool = False,
+                 device: Optional[torch.device] = None):
+        self.buckets = buckets
+        self.device = device
+        self.first, self.second = first, second
+        self.threaded = threaded
+        self.flights: list[Flight] = []
+        self._row, self._col, self._issued_in_row = 1, 0, False
+        self._done = False
+        self._added = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self.blocked = 0.0  # seconds the caller of finish() was blocked
+
+    def add(self, flight: Flight) -> None:
+        """The next bucket's flight (bucket order), its first collective already issued."""
+        if len(self.flights) >= self.buckets:
+            raise RuntimeError(f"Pipeline: more than {self.buckets} flights in one step")
+        with self._added:
+            self.flights.append(flight)
+            self._added.notify()
+        if self.threaded and self._thread is None:
+            self._thread = threading.Thread(target=self._drive_guarded, name="dlion-exchange", daemon=True)
+            self._thread.start()
+
+    def finish(self) -> list:
+        """Complete every flight (all ``buckets`` must have been added); their outcomes in bucket order."""
+        if len(self.flights) != self.buckets:
+            raise RuntimeError(f"Pipeline.finish: {len(self.flights)} of {self.buckets} flights added")
+        if self._thread is not None:
+            t = time.perf_counter()
+            self._thread.join()
+            self.blocked = time.perf_counter() - t
+            if self._error is not None:
+                raise self._error
+        else:
+            self._drive()
+            self.blocked = sum(f.waited for f in self.flights)
+        return [f.outcome for f in self.flights]
+
+    # -- the slot walk ------------------------------------------------------------
+    def _drive_guarded(self) -> None:
+        try:
+            if self.device is not None and self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # a new thread starts on device 0
+            self._drive()
+        except BaseException as e:  # re-raised by finish() in the caller's thread
+            self._error = e
+
+    def _flight(self, k: int) -> Flight:
+        with self._added:
+            while len(self.flights) <= k:
+                self._added.wait()
+            return self.flights[k]
+
+    def _drive(self) -> None:
+        while not self._done:
+            k = self._col
+            f = self._flight(k)
+            if f.running:
+                self._feed_finished(k)
+                with self._range():
+                    f.feed()
+            if f.request is not None:  # slot (row, k): this flight's row-th later collective
+                if self.second is self.first:
+                    self._flight(self.buckets - 1)  # never between the first collectives
+                with self._range():
+                    f.issue(self.second)
+                self._issued_in_row = True
+            self._col += 1
+            if self._col == self.buckets:
+                if not self._issued_in_row:  # a row with no slot taken: every chain has ended
+                    self._done = True
+                self._row, self._col, self._issued_in_row = self._row + 1, 0, False
+
+    def _feed_finished(self, k: int) -> None:
+        """Before blocking on bucket k: hand on the results of earlier buckets that have arrived."""
+        for f in self.flights[:k]:
+            if f.running and f.work.is_completed():
+                with self._range():
+                    f.feed()
+
+    def _range(self):
+        """The thread's work shows in a profile as its own range (the caller's wait is in its own)."""
+        return record_function("dlion.exchange.thread") if self._thread is not None else contextlib.nullcontext()
