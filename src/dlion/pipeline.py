@@ -30,13 +30,11 @@ next gradient hook happens to fire. ``finish()`` waits for it.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from typing import Optional
 
 import torch
-from torch.profiler import record_function
 
 from .collectives import GroupTransport
 
@@ -157,13 +155,11 @@ class Pipeline:
             f = self._flight(k)
             if f.running:
                 self._feed_finished(k)
-                with self._range():
-                    f.feed()
+                f.feed()
             if f.request is not None:  # slot (row, k): this flight's row-th later collective
                 if self.second is self.first:
                     self._flight(self.buckets - 1)  # never between the first collectives
-                with self._range():
-                    f.issue(self.second)
+                f.issue(self.second)
                 self._issued_in_row = True
             self._col += 1
             if self._col == self.buckets:
@@ -175,9 +171,4 @@ class Pipeline:
         """Before blocking on bucket k: hand on the results of earlier buckets that have arrived."""
         for f in self.flights[:k]:
             if f.running and f.work.is_completed():
-                with self._range():
-                    f.feed()
-
-    def _range(self):
-        """The thread's work shows in a profile as its own range (the caller's wait is in its own)."""
-        return record_function("dlion.exchange.thread") if self._thread is not None else contextlib.nullcontext()
+                f.feed()

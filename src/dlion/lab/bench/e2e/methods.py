@@ -270,7 +270,9 @@ class MethodRun:
     def profile(self, batches: list) -> None:
         """D-Lion only: a few more (untimed) steps under ``torch.profiler``; the milliseconds per
         step inside the library's ranges (CPU time on the thread that records them: with
-        overlap, ``dlion.contribute`` runs inside backward's gradient hooks)."""
+        overlap, ``dlion.contribute`` runs inside backward's gradient hooks, and the exchange
+        thread's votes and decodes are not recorded at all: ``dlion.exchange`` is then the
+        training thread's wait for it)."""
         self.profile_ms = {}
         if self.is_ddp:
             return
