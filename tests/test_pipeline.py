@@ -136,3 +136,11 @@ def test_finish_refuses_missing_flights():
     pipe.add(Flight(chain(0, 1), first))
     with pytest.raises(RuntimeError, match="1 of 2 flights"):
         pipe.finish()
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_step_without_buckets_finishes_at_once(threaded):
+    """Every parameter frozen: no bucket, nothing to wait for (it must not hang)."""
+    log, works = [], {}
+    first = FakeTransport("first", log, works, auto=True)
+    assert Pipeline(0, first, first, threaded=threaded).finish() == []

@@ -46,14 +46,13 @@ class Flight:
 
     At any time the flight either has a collective in flight (``work``), holds
     the next one the algorithm asked for (``request``, not issued yet) or is done
-    (``outcome``). ``later`` counts the collectives issued after the first.
+    (``outcome``).
     """
 
     def __init__(self, gen, first: GroupTransport):
         self.gen = gen
         self.outcome = None
         self.request: Optional[tuple] = None
-        self.later = 0
         self.waited = 0.0  # seconds blocked in wait()
         kind, send, label = next(gen)
         self.work, self.out = first.issue(kind, send, label)
@@ -77,7 +76,6 @@ class Flight:
         """Issue the collective the algorithm asked for."""
         (kind, send, label), self.request = self.request, None
         self.work, self.out = transport.issue(kind, send, label)
-        self.later += 1
 
     def advance(self, transport: GroupTransport, block: bool) -> bool:
         """Drive this flight alone (its later collectives on ``transport``); True when done."""
@@ -101,8 +99,8 @@ class Pipeline:
         self.first, self.second = first, second
         self.threaded = threaded
         self.flights: list[Flight] = []
-        self._row, self._col, self._issued_in_row = 1, 0, False
-        self._done = False
+        self._col, self._issued_in_row = 0, False  # the next slot's bucket; any slot taken in this row
+        self._done = buckets == 0
         self._added = threading.Condition()
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
@@ -156,7 +154,7 @@ class Pipeline:
             if f.running:
                 self._feed_finished(k)
                 f.feed()
-            if f.request is not None:  # slot (row, k): this flight's row-th later collective
+            if f.request is not None:  # this row's slot of bucket k: its next later collective
                 if self.second is self.first:
                     self._flight(self.buckets - 1)  # never between the first collectives
                 f.issue(self.second)
@@ -165,7 +163,7 @@ class Pipeline:
             if self._col == self.buckets:
                 if not self._issued_in_row:  # a row with no slot taken: every chain has ended
                     self._done = True
-                self._row, self._col, self._issued_in_row = self._row + 1, 0, False
+                self._col, self._issued_in_row = 0, False
 
     def _feed_finished(self, k: int) -> None:
         """Before blocking on bucket k: hand on the results of earlier buckets that have arrived."""
