@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, NoReturn, Optional, Sequence
 
 RESULT = "RESULT "
 TICK = "TICK"
@@ -30,9 +30,18 @@ def print_emit(d: dict) -> None:
     print(TICK if "tick" in d else RESULT + json.dumps(d), flush=True)
 
 
-def env_worker(fn: Callable, *args, timeout_s: Optional[float] = None) -> int:
+def env_worker(fn: Callable, *args, timeout_s: Optional[float] = None) -> NoReturn:
     """One rank inside the virtual cluster: join the ``env://`` Gloo group (with the given
-    timeout, else torch's default), run ``fn(rank, world, *args, print_emit)``, leave the group."""
+    timeout, else torch's default), run ``fn(rank, world, *args, print_emit)``, leave the group.
+
+    On success it does not return: once its results are flushed the process ends with
+    ``os._exit(0)``, as multiprocessing's forked workers (the loopback ranks) do. Interpreter
+    finalization would tear down what torch's C++ side still holds (process groups kept by
+    the benchmark's caches, the profiler's threads), which now and then aborted a rank after
+    its last result had been printed (exit 134, "terminate called without an active exception")
+    and failed the whole run."""
+    import os
+    import sys
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -43,7 +52,9 @@ def env_worker(fn: Callable, *args, timeout_s: Optional[float] = None) -> int:
         fn(dist.get_rank(), dist.get_world_size(), *args, print_emit)
     finally:
         dist.destroy_process_group()
-    return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _spawn_entry(rank: int, world: int, fn: Callable, ticks, *args) -> list:

@@ -9,7 +9,7 @@ import gc
 import json
 import os
 import sys
-from typing import Callable, Optional
+from typing import Callable, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -118,7 +118,7 @@ def _cluster_rank(rank: int, world: int, cfg: dict, emit: Callable[[dict], None]
     run_methods(rank, world, cfg, train_ids, vocab_size, emit)
 
 
-def e2e_env_worker(cfg: dict) -> int:
+def e2e_env_worker(cfg: dict) -> NoReturn:
     """One rank inside the virtual cluster (env:// rendezvous): prints a TICK line per step
     (rank 0) and a RESULT line with JSON per method."""
     return env_worker(_cluster_rank, cfg, timeout_s=cfg["timeout"])
