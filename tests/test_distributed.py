@@ -231,6 +231,23 @@ def test_frozen_parameters_never_travel(grads_less):
         assert torch.equal(results[0]["params"][4], frozen_worker_init()[4])
 
 
+def all_frozen_worker(rank, world):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    model.requires_grad_(False)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = dlion.DistributedLion(model.parameters(), lr=0.01, weight_decay=0.1)
+    for _ in range(2):
+        opt.step()
+    return dict(same=[torch.equal(a, b) for a, b in zip(model.parameters(), before)], steps=opt.step_count,
+                num_params=opt.num_params)
+
+
+def test_a_model_with_nothing_trainable_steps_and_changes_nothing():
+    for res in spawn(all_frozen_worker, 2):
+        assert res == dict(same=[True, True], steps=2, num_params=0)
+
+
 def frozen_worker_init():
     torch.manual_seed(0)
     mods = [torch.nn.Linear(1000, 1000), torch.nn.Linear(1000, 10), torch.nn.Linear(10, 10)]

@@ -490,7 +490,9 @@ class DistributedLion(Lion):
     def _warn_if_gradients_identical(self) -> None:
         """After the first step: gradients bitwise equal on every rank mean that something
         (DistributedDataParallel, usually) already averaged them — paying for an fp32
-        all-reduce *and* the vote. One small all-gather of checksums, once."""
+        all-reduce *and* the vote. One small all-gather of checksums, once (none when nothing is trainable)."""
+        if not self._buffers:
+            return
         mine = torch.stack([bits_checksum(buf.grad) for buf in self._buffers]).view(torch.int32).reshape(-1)
         work, everyone = self._first.issue("all_gather", mine.to(self.buckets[0].device), "check")
         work.wait()
