@@ -413,6 +413,49 @@ def test_zero_grad_discards_a_backward_without_step_like_torch_optim():
             assert torch.equal(x, y)
 
 
+def late_failure_worker(rank, world, failure, overlap, comm):
+    torch.manual_seed(0)
+    a, b, c = (torch.randn(1000, requires_grad=True) for _ in range(3))
+    # one parameter per bucket; buckets follow reversed parameter order, so `a` is the last bucket
+    opt = dlion.DistributedLion([{"params": [a]}, {"params": [b, c]}], lr=0.01, weight_decay=0.1, comm=comm,
+                                overlap=overlap, bucket_cap_mb=1000 * 4 / 2**20)
+    g = torch.Generator().manual_seed(rank)
+    for t in range(2):
+        for p in (a, b, c):
+            p.grad = torch.randn(1000, generator=g)
+        if t == 1 and failure == "nan" and rank == world - 1:
+            a.grad[7] = float("nan")
+        if t == 1 and failure == "lr" and rank == 0:
+            opt.param_groups[0]["lr"] = 0.02  # a's group only: the last bucket's digest differs
+        before = [p.detach().clone() for p in (a, b, c)]
+        momenta = [opt.state[p]["exp_avg"].clone() for p in (a, b, c)] if t else None
+        try:
+            opt.step()
+            error = None
+        except ValueError as e:
+            error = str(e)
+    unchanged = all(torch.equal(x, y) for x, y in zip((a, b, c), before))
+    kept = all(torch.equal(opt.state[p]["exp_avg"], m) for p, m in zip((a, b, c), momenta))
+    return dict(buckets=len(opt.buckets), error=error, unchanged=unchanged, momenta_kept=kept,
+                skipped=opt.skipped_steps)
+
+
+@pytest.mark.parametrize("comm", ["1bit", "pbit"])
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("failure", ["nan", "lr"])
+def test_a_failure_in_the_last_bucket_leaves_the_earlier_finished_buckets_unapplied(failure, overlap, comm):
+    """Buckets are applied as their codes come back, but only once every bucket's first
+    collective has shown that no rank failed: a NaN or a changed lr in the last bucket
+    leaves every parameter and momentum unchanged on every rank."""
+    for res in spawn(late_failure_worker, 3, failure, overlap, comm, timeout_s=60):
+        assert res["buckets"] == 3
+        assert res["unchanged"] and res["momenta_kept"], res
+        if failure == "nan":
+            assert res["error"] is None and res["skipped"] == 1
+        else:
+            assert "ranks disagree on lr" in res["error"] and res["skipped"] == 0
+
+
 def step_count_worker(rank, world, reset):
     from dlion.collectives import CommStats
 

@@ -144,3 +144,37 @@ def test_a_step_without_buckets_finishes_at_once(threaded):
     log, works = [], {}
     first = FakeTransport("first", log, works, auto=True)
     assert Pipeline(0, first, first, threaded=threaded).finish() == []
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_progress_sees_bucket_0_finished_while_bucket_1_is_still_on_the_wire(threaded):
+    """finish(progress): progress() runs in the caller's thread after results arrive, so the
+    caller can use bucket 0's outcome before bucket 1's last collective has completed."""
+    log, works = [], {}
+    first = FakeTransport("first", log, works, auto=True)
+    second = FakeTransport("second", log, works)
+    pipe = Pipeline(2, first, second, threaded=threaded)
+    for k in range(2):
+        pipe.add(Flight(chain(k, 2), first))
+    caller = threading.get_ident()
+    seen = []
+
+    def progress():
+        assert threading.get_ident() == caller
+        done = [f.outcome is not None for f in pipe.flights]
+        seen.append(done)
+        if done == [True, False]:
+            works["b1c1"].done.set()  # bucket 1's way back completes only once bucket 0 was seen done
+
+    def complete_b0():
+        deadline = time.time() + 5
+        while not {"b0c1", "b1c1"} <= set(works) and time.time() < deadline:
+            time.sleep(0.001)
+        works["b0c1"].done.set()
+
+    helper = threading.Thread(target=complete_b0)
+    helper.start()
+    assert pipe.finish(progress) == [(0, 2), (1, 2)]
+    helper.join()
+    assert [True, False] in seen
+    assert seen[-1] == [True, True]

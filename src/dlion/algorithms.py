@@ -47,7 +47,7 @@ gradient for in the previous step out of the payload altogether.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Generator, Optional
+from typing import Callable, Generator, Optional
 
 import numpy as np
 import torch
@@ -82,9 +82,18 @@ class Contribution:
     positions: Optional[Tensor] = None
     #: the number of values of each parameter, in order (0 for one left out of ``values``); None if unknown
     sizes: Optional[list] = None
+    #: called with the outcome as soon as its failure flags (``bad``, ``nonfinite``,
+    #: ``digests_agree``) are final — after the first collective, before the codes exist —
+    #: so that a driver may apply finished buckets while later ones are still on the wire
+    on_flags: Optional[Callable[["Outcome"], None]] = None
 
     def index(self, lo: int, n: int) -> Optional[Tensor]:
         return None if self.positions is None else self.positions[lo:lo + n]
+
+    def flags_known(self, out: "Outcome") -> "Outcome":
+        if self.on_flags is not None:
+            self.on_flags(out)
+        return out
 
 
 @dataclass
@@ -101,6 +110,11 @@ class Outcome:
     #: int64 [coordinates voted on, unanimous (|s| = N), tied (s = 0, some vote)] over the coordinates
     #: this rank decided (its chunk for ``1bit``, the whole bucket otherwise); None for ``quantized``
     tally: Optional[Tensor] = None
+
+    @property
+    def failed(self) -> bool:
+        """Some rank rejected or had inf/NaN gradients, or the hyperparameters differ: no rank applies."""
+        return bool(self.bad or self.nonfinite or not self.digests_agree)
 
 
 def row_sum(x: Tensor) -> Tensor:
@@ -411,8 +425,8 @@ class OneBit(Algorithm):
             if fmt == "ternary" and info["fit"]:
                 state.up = "runs"     # from the next step on
             break
-        out = _outcome(info)
-        if out.bad or out.nonfinite or not out.digests_agree:
+        out = contrib.flags_known(_outcome(info))
+        if out.failed:
             return out
         s, nz = self._count(payloads[:, :codec.nbytes(c)], fmt, N, c, _runs_table(hdrs, k, fmt, info), cap, lo,
                             numel, info["abstains"])
@@ -565,8 +579,8 @@ class AllGather(Algorithm):
             if fmt == "ternary" and info["fit"]:
                 state.up = "runs"
             break
-        out = _outcome(info)
-        if out.bad or out.nonfinite or not out.digests_agree:
+        out = contrib.flags_known(_outcome(info))
+        if out.failed:
             return out
         s, nz = self._count(payloads[:, :codec.nbytes(n)], fmt, N, n, _runs_table(hdrs, k, fmt, info), cap, 0,
                             numel, info["abstains"])
@@ -642,8 +656,9 @@ class PBit(Algorithm):
             if wide and not info["abstains"]:
                 state.up = "narrow"
             break
-        out = Outcome(None, info["has_grad"], info["bad"], info["nonfinite"], info["digests_agree"])
-        if info["bad"] or info["nonfinite"] or not info["digests_agree"]:
+        out = contrib.flags_known(Outcome(None, info["has_grad"], info["bad"], info["nonfinite"],
+                                          info["digests_agree"]))
+        if out.failed:
             return out
         t = total[:n].to(torch.int32)
         if wide:
@@ -680,8 +695,9 @@ class Quantized(Algorithm):
         total = yield ("all_reduce", pack_fields(torch.cat([v, head]), width), "quantized")
         total = unpack_fields(total, width, n + head.numel())
         info = _read_fields(total[n:], k, N)
-        out = Outcome(None, info["has_grad"], info["bad"], info["nonfinite"], info["digests_agree"])
-        if not (info["bad"] or info["nonfinite"] or not info["digests_agree"]):
+        out = contrib.flags_known(Outcome(None, info["has_grad"], info["bad"], info["nonfinite"],
+                                          info["digests_agree"]))
+        if not out.failed:
             out.codes = torch.sign(total[:n].to(torch.int32) - s * N).to(torch.int8)
         return out
 
@@ -714,7 +730,7 @@ def run_compacted(alg: Algorithm, state: WireState, contrib: Contribution, rank:
     if contrib.sizes is not None:
         sizes = [0 if left_out else size for size, left_out in zip(contrib.sizes, skipped.tolist())]
     out = yield from alg.run(state, Contribution(sub, m, contrib.has_grad, contrib.status, contrib.digest,
-                                                 positions, sizes), rank, key)
+                                                 positions, sizes, contrib.on_flags), rank, key)
     if bool((out.has_grad & skipped).any()):  # a rank has a gradient for a left-out parameter
         return (yield from alg.run(state, contrib, rank, key))
     if out.codes is not None:

@@ -88,6 +88,9 @@ class _Step:
         self.seen: set = set()
         self.issued = 0    # buckets 0 … issued−1 have their first collective in flight
         self.stale = False  # a gradient was accumulated again after its bucket was sent
+        #: per bucket, once its first collective is read: may every rank apply (no failure flag)?
+        self.flags_ok: list = [None] * len(opt.buckets)
+        self.applied = 0    # buckets 0 … applied−1 are applied (step() only, in bucket order)
 
 
 class DistributedLion(Lion):
@@ -346,8 +349,10 @@ class DistributedLion(Lion):
             status |= BAD
         self._step.present[k] = present
         self._step.errors[k] = error
+        st = self._step
         return Contribution(buf.values, b.numel, torch.tensor(present, dtype=torch.bool), status,
-                            self._digest(group), sizes=b.sizes)
+                            self._digest(group), sizes=b.sizes,
+                            on_flags=lambda out: st.flags_ok.__setitem__(k, not out.failed))
 
     def _issue_ready(self, step_no: int) -> None:
         """Start, in bucket order, every bucket whose gradients are all there."""
@@ -394,11 +399,24 @@ class DistributedLion(Lion):
             pending.clear()
         self._issue_ready(step_no)
         with record_function("dlion.exchange"):
-            outcomes = st.pipeline.finish()
+            outcomes = st.pipeline.finish(progress=lambda: self._apply_finished(st))
         self._step = None
         with record_function("dlion.apply"):
             self._finish(step_no, st, outcomes)
         return loss
+
+    def _apply_finished(self, st: _Step) -> None:
+        """Apply, in bucket order, the buckets whose codes are back, while later buckets' are still
+        on the wire — once every bucket's first collective has shown that no rank failed (the
+        failure flags travel there), so every rank applies all buckets or none."""
+        if not all(st.flags_ok) or any(e is not None for e in st.errors):  # None: not known yet
+            return
+        flights = st.pipeline.flights
+        while st.applied < len(flights) and flights[st.applied].outcome is not None:
+            k = st.applied
+            with record_function("dlion.apply"):
+                self._apply(k, self.buckets[k], flights[k].outcome, st.present[k])
+            st.applied += 1
 
     def _scaled_step(self, closure, scaler):
         """One step under ``torch.amp.GradScaler``: unscale, vote, and write the global
@@ -436,6 +454,8 @@ class DistributedLion(Lion):
         errors = [e for e in st.errors if e is not None]
         if errors:
             raise errors[0]
+        if st.applied and any(o.failed for o in outcomes):  # the flags are read before any bucket is applied
+            raise RuntimeError("DistributedLion: internal error: buckets applied in a failed step")
         if any(o.bad for o in outcomes):
             raise RuntimeError("DistributedLion: another rank rejected its gradients (its error says why); "
                                "no rank changed any parameter or momentum.")
@@ -458,8 +478,8 @@ class DistributedLion(Lion):
                               "scale, or use nonfinite='raise').", RuntimeWarning, stacklevel=4)
             return
         self._skips_in_a_row = 0
-        for k, (b, o) in enumerate(zip(self.buckets, outcomes)):
-            self._apply(k, b, o, st.present[k])
+        for k in range(st.applied, len(self.buckets)):
+            self._apply(k, self.buckets[k], outcomes[k], st.present[k])
         self._count_step()
         if step_no == 0:
             self._warn_if_gradients_identical()

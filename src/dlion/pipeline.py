@@ -26,13 +26,18 @@ while backward runs: it blocks on the collective its next slot depends on, hands
 the result to the algorithm (the vote of a received chunk, the decoding of the
 gathered codes) and issues the next collective the moment it can, not when the
 next gradient hook happens to fire. ``finish()`` waits for it.
+
+``finish(progress)`` calls ``progress()`` in the caller's thread each time a
+collective's result has been handed on (and once at the end), so that the
+caller can use finished buckets (apply them) while later ones are still on the
+wire: from the walk itself without the thread, while waiting for it with it.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -104,6 +109,9 @@ class Pipeline:
         self._added = threading.Condition()
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
+        self._progress = threading.Condition()
+        self._fed, self._walked = 0, False  # results handed on (by the thread); the thread's walk ended
+        self._on_feed = None  # without the thread: finish()'s progress callback
         self.blocked = 0.0  # seconds the caller of finish() was blocked
 
     def add(self, flight: Flight) -> None:
@@ -117,19 +125,37 @@ class Pipeline:
             self._thread = threading.Thread(target=self._drive_guarded, name="dlion-exchange", daemon=True)
             self._thread.start()
 
-    def finish(self) -> list:
-        """Complete every flight (all ``buckets`` must have been added); their outcomes in bucket order."""
+    def finish(self, progress: Optional[Callable[[], None]] = None) -> list:
+        """Complete every flight (all ``buckets`` must have been added); their outcomes in bucket
+        order. ``progress()``: called in this thread whenever a result has been handed on, and
+        once at the end; an exception it raises propagates (after the walk has ended)."""
         if len(self.flights) != self.buckets:
             raise RuntimeError(f"Pipeline.finish: {len(self.flights)} of {self.buckets} flights added")
         if self._thread is not None:
-            t = time.perf_counter()
-            self._thread.join()
-            self.blocked = time.perf_counter() - t
+            t, busy, seen = time.perf_counter(), 0.0, -1
+            try:
+                while True:
+                    with self._progress:
+                        while self._fed == seen and not self._walked:
+                            self._progress.wait()
+                        seen, walked = self._fed, self._walked
+                    if progress is not None and self._error is None and not walked:
+                        u = time.perf_counter()
+                        progress()
+                        busy += time.perf_counter() - u
+                    if walked:
+                        break
+            finally:
+                self._thread.join()
+            self.blocked = time.perf_counter() - t - busy
             if self._error is not None:
                 raise self._error
         else:
+            self._on_feed = progress
             self._drive()
             self.blocked = sum(f.waited for f in self.flights)
+        if progress is not None:
+            progress()
         return [f.outcome for f in self.flights]
 
     # -- the slot walk ------------------------------------------------------------
@@ -140,6 +166,10 @@ class Pipeline:
             self._drive()
         except BaseException as e:  # re-raised by finish() in the caller's thread
             self._error = e
+        finally:
+            with self._progress:
+                self._walked = True
+                self._progress.notify()
 
     def _flight(self, k: int) -> Flight:
         with self._added:
@@ -153,7 +183,7 @@ class Pipeline:
             f = self._flight(k)
             if f.running:
                 self._feed_finished(k)
-                f.feed()
+                self._feed(f)
             if f.request is not None:  # this row's slot of bucket k: its next later collective
                 if self.second is self.first:
                     self._flight(self.buckets - 1)  # never between the first collectives
@@ -169,4 +199,13 @@ class Pipeline:
         """Before blocking on bucket k: hand on the results of earlier buckets that have arrived."""
         for f in self.flights[:k]:
             if f.running and f.work.is_completed():
-                f.feed()
+                self._feed(f)
+
+    def _feed(self, f: Flight) -> None:
+        f.feed()
+        if self.threaded:
+            with self._progress:
+                self._fed += 1
+                self._progress.notify()
+        elif self._on_feed is not None:
+            self._on_feed()

@@ -272,7 +272,8 @@ class MethodRun:
         step inside the library's ranges (CPU time on the thread that records them: with
         overlap, ``dlion.contribute`` runs inside backward's gradient hooks, and the exchange
         thread's votes and decodes are not recorded at all: ``dlion.exchange`` is then the
-        training thread's wait for it)."""
+        training thread's wait for it; the buckets applied while later ones are still on the
+        wire count in ``dlion.apply`` and, nested, in ``dlion.exchange``)."""
         self.profile_ms = {}
         if self.is_ddp:
             return
