@@ -35,6 +35,7 @@ an exchange thread issues them as soon as they can go (:mod:`dlion.pipeline`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import struct
 import warnings
 import zlib
@@ -91,6 +92,10 @@ class _Step:
         #: per bucket, once its first collective is read: may every rank apply (no failure flag)?
         self.flags_ok: list = [None] * len(opt.buckets)
         self.applied = 0    # buckets 0 … applied−1 are applied (step() only, in bucket order)
+
+    def read_flags(self, k: int, out: Outcome) -> None:
+        """Bucket k's failure flags are known (``Contribution.on_flags``; the exchange thread may call it)."""
+        self.flags_ok[k] = not out.failed
 
 
 class DistributedLion(Lion):
@@ -349,10 +354,8 @@ class DistributedLion(Lion):
             status |= BAD
         self._step.present[k] = present
         self._step.errors[k] = error
-        st = self._step
         return Contribution(buf.values, b.numel, torch.tensor(present, dtype=torch.bool), status,
-                            self._digest(group), sizes=b.sizes,
-                            on_flags=lambda out: st.flags_ok.__setitem__(k, not out.failed))
+                            self._digest(group), sizes=b.sizes, on_flags=functools.partial(self._step.read_flags, k))
 
     def _issue_ready(self, step_no: int) -> None:
         """Start, in bucket order, every bucket whose gradients are all there."""
@@ -408,8 +411,8 @@ class DistributedLion(Lion):
     def _apply_finished(self, st: _Step) -> None:
         """Apply, in bucket order, the buckets whose codes are back, while later buckets' are still
         on the wire — once every bucket's first collective has shown that no rank failed (the
-        failure flags travel there), so every rank applies all buckets or none."""
-        if not all(st.flags_ok) or any(e is not None for e in st.errors):  # None: not known yet
+        failure flags travel there; a local error sends BAD), so every rank applies all buckets or none."""
+        if not all(st.flags_ok):  # None: not known yet
             return
         flights = st.pipeline.flights
         while st.applied < len(flights) and flights[st.applied].outcome is not None:

@@ -111,7 +111,8 @@ class Pipeline:
         self._error: Optional[BaseException] = None
         self._progress = threading.Condition()
         self._fed, self._walked = 0, False  # results handed on (by the thread); the thread's walk ended
-        self._on_feed = None  # without the thread: finish()'s progress callback
+        #: called after each result is handed on: with the thread, wake finish(); without, its progress
+        self._on_feed: Optional[Callable[[], None]] = self._notify if threaded else None
         self.blocked = 0.0  # seconds the caller of finish() was blocked
 
     def add(self, flight: Flight) -> None:
@@ -203,9 +204,10 @@ class Pipeline:
 
     def _feed(self, f: Flight) -> None:
         f.feed()
-        if self.threaded:
-            with self._progress:
-                self._fed += 1
-                self._progress.notify()
-        elif self._on_feed is not None:
+        if self._on_feed is not None:
             self._on_feed()
+
+    def _notify(self) -> None:
+        with self._progress:
+            self._fed += 1
+            self._progress.notify()
