@@ -150,19 +150,23 @@ class WireState:
 
 def zero_runs(values: Tensor, rows: int, numel: int) -> tuple[Tensor, Tensor, Tensor]:
     """Runs of 0 in values[:numel] (values viewed as ``rows`` equal rows, a run never
-    crossing a row): (row, start, end) int64 tensors, start/end relative to the row."""
+    crossing a row): (row, start, end) int64 tensors, start/end relative to the row.
+    Costs one pass to find the zeros, then work in the number of zeros."""
     width = values.numel() // rows
-    if not _has_zeros(values[:numel]):
+    head = values[:numel]
+    if not _has_zeros(head):
         empty = torch.zeros(0, dtype=torch.int64, device=values.device)
         return empty, empty, empty
-    z = values == 0
-    if numel < values.numel():
-        z[numel:] = False
-    z = z.view(rows, width).to(torch.int8)
-    edge = torch.diff(z, dim=1, prepend=z.new_zeros(rows, 1), append=z.new_zeros(rows, 1))
-    starts = (edge == 1).nonzero()
-    ends = (edge == -1).nonzero()
-    return starts[:, 0], starts[:, 1], ends[:, 1]
+    if head.device.type == "cpu":
+        at = torch.from_numpy(np.flatnonzero(head.numpy() == 0))
+    else:
+        at = (head == 0).nonzero().view(-1)
+    new_run = torch.ones(at.numel(), dtype=torch.bool, device=at.device)
+    new_run[1:] = (at[1:] != at[:-1] + 1) | (at[1:] % width == 0)
+    first = new_run.nonzero().view(-1)
+    last = torch.cat([first[1:] - 1, first.new_tensor([at.numel() - 1])])
+    row = at[first] // width
+    return row, at[first] - row * width, at[last] + 1 - row * width
 
 
 def _has_zeros(values: Tensor) -> bool:
@@ -179,6 +183,22 @@ def runs_mask(rows: Tensor, starts: Tensor, ends: Tensor, shape: tuple[int, int]
     edge.index_add_(0, rows * (w + 1) + starts, one)
     edge.index_add_(0, rows * (w + 1) + ends, -one)
     return edge.view(r, w + 1).cumsum(1)[:, :w] > 0
+
+
+def run_indices(starts: Tensor, ends: Tensor) -> Tensor:
+    """Every index inside the runs [starts[i], ends[i]), run after run: work in their total length."""
+    lengths = ends - starts
+    total = int(lengths.sum())
+    if total == 0:
+        return starts.new_zeros(0)
+    skip = torch.cumsum(lengths, 0) - lengths
+    return torch.repeat_interleave(starts - skip, lengths, output_size=total) + torch.arange(
+        total, dtype=starts.dtype, device=starts.device)
+
+
+def _few(starts: Tensor, ends: Tensor, size: int) -> bool:
+    """Runs short enough in total (≤ 1/16 of ``size``) to be handled by their indices, not a mask."""
+    return int((ends - starts).sum()) * 16 <= size
 
 
 # -- the header that rides in front of a block ------------------------------------------
@@ -244,22 +264,19 @@ def _zeros_within_parameters(contrib: Contribution) -> int:
     rank has no gradient."""
     if contrib.sizes is None:
         return contrib.numel
-    zeros = int((contrib.values[:contrib.numel] == 0).sum())
+    zeros = contrib.numel - int(torch.count_nonzero(contrib.values[:contrib.numel]))
     extra = zeros - sum(n for n, h in zip(contrib.sizes, contrib.has_grad.tolist()) if not h)
     return extra if extra >= 0 else contrib.numel
 
 
-def _voters(contrib: Contribution, hdrs: Tensor, info: dict, n: int) -> Optional[Tensor]:
-    """How many ranks have a gradient for the parameter of each of the n coordinates — from the
-    has-gradient bitmaps, which every rank has after the first collective: the number of voters,
-    but for the few zeros of c (:class:`_ByVoters` lists them). None when some rank has many."""
+def _voters(contrib: Contribution, hdrs: Tensor, info: dict) -> Optional[Tensor]:
+    """How many ranks have a gradient for each parameter (k,) — from the has-gradient bitmaps,
+    which every rank has after the first collective: each coordinate's number of voters, but
+    for the few zeros of c (:class:`_ByVoters` lists them). None when some rank has many."""
     if contrib.sizes is None or info["scattered"]:
         return None
     k = contrib.has_grad.numel()
-    per_param = _unbitmap(hdrs[:, 3:3 + -(-k // _BITMAP_BITS)], k).sum(0, dtype=torch.int16)
-    v = torch.zeros(n, dtype=torch.int16)
-    v[:contrib.numel] = torch.repeat_interleave(per_param, torch.tensor(contrib.sizes, dtype=torch.int64))
-    return v
+    return _unbitmap(hdrs[:, 3:3 + -(-k // _BITMAP_BITS)], k).sum(0, dtype=torch.int16)
 
 
 def _blocks(headers: Tensor, payload: Tensor, blocks: int) -> Tensor:
@@ -348,12 +365,16 @@ class Algorithm:
         sel = torch.arange(capacity).view(1, -1) < counts.view(-1, 1)
         rows = torch.arange(senders).view(-1, 1).expand(-1, capacity)[sel]
         off = slots[sel].long().to(bits.device)
-        abstain = runs_mask(rows.to(bits.device), off[:, 0], off[:, 1], (senders, width))
+        # An abstention (δ = 0) travels as bit 0, so it adds nothing to the +1 count: only nz changes.
+        plus = row_sum(bits)
+        if _few(off[:, 0], off[:, 1], senders * width):  # a few zeros (c = 0 by rounding): no full mask
+            nz = torch.full_like(plus, senders)
+            at = run_indices(off[:, 0], off[:, 1])
+            nz.index_add_(0, at, torch.full(at.shape, -1, dtype=nz.dtype, device=nz.device))
+        else:
+            nz = row_sum(~runs_mask(rows.to(bits.device), off[:, 0], off[:, 1], (senders, width)))
         if lo + width > numel:
-            abstain[:, max(0, numel - lo):] = True  # padding abstains everywhere
-        voting = ~abstain
-        plus = row_sum(bits.bool() & voting)
-        nz = row_sum(voting)
+            nz[max(0, numel - lo):] = 0  # padding abstains everywhere
         return plus.mul_(2).sub_(nz), nz
 
     # the way back: one chunk's codes as "1 bit + its zero runs", or in a plain codec
@@ -383,7 +404,11 @@ class Algorithm:
             rows = torch.arange(blocks).view(-1, 1).expand(-1, capacity)[sel]
             off = headers[:, 1:].view(blocks, capacity, 2)[sel].long()
             dev = codes.device
-            codes.masked_fill_(runs_mask(rows.to(dev), off[:, 0].to(dev), off[:, 1].to(dev), (blocks, width)), 0)
+            rows, starts, ends = rows.to(dev), off[:, 0].to(dev), off[:, 1].to(dev)
+            if _few(starts, ends, codes.numel()):
+                codes.view(-1).index_fill_(0, run_indices(rows * width + starts, rows * width + ends), 0)
+            else:
+                codes.masked_fill_(runs_mask(rows, starts, ends, (blocks, width)), 0)
         return codes.view(-1)
 
     @staticmethod
@@ -432,9 +457,10 @@ class OneBit(Algorithm):
                             numel, info["abstains"])
         mine = self.rule.decide(s, nz, key=key, start=lo, index=contrib.index(lo, c))
         out.tally = vote_tally(s, nz, N, numel - lo)
-        voters = _voters(contrib, hdrs, info, n) if info["abstains"] else None
+        voters = _voters(contrib, hdrs, info) if info["abstains"] else None
         if voters is not None:  # abstentions (nearly) only on whole parameters: every rank knows the voters
-            down, plain = _ByVoters(self.rule, voters, N, cap), self._codes_codec(True, "ternary")
+            down = _ByVoters(self.rule, voters, contrib.sizes, n, N, cap)
+            plain = self._codes_codec(True, "ternary")
             codes = None
             if down.block < plain.nbytes(c):  # (blocks as long as the longest chunk's can cost more)
                 codes = down.decode((yield ("all_gather", down.encode(mine, rank), "codes")))
@@ -471,18 +497,37 @@ class _ByVoters:
     c = 0 made fewer than v vote: a 0 at odd v, another parity) travels in the block's
     exception list (offset, code), room for ``capacity``; when a chunk has more, every rank
     sees it and the codes are gathered again in base 3 (Avg: ⌈log2(2N+1)⌉ bits). Every
-    chunk's block is as long as the longest one's, which every rank computes from v."""
+    chunk's block is as long as the longest one's, which every rank computes from v.
 
-    def __init__(self, rule: VoteRule, voters: Tensor, blocks: int, capacity: int):
-        self.rule, self.v, self.capacity = rule, voters.view(blocks, -1), capacity
+    When every parameter has the same number of voters (the usual case: a few coordinates
+    with c = 0 by rounding, or none), each chunk's coordinates with voters are a prefix (the
+    rest is padding) and are read and written as slices, not through per-coordinate masks."""
+
+    def __init__(self, rule: VoteRule, per_param: Tensor, sizes: list[int], n: int, blocks: int, capacity: int):
+        self.rule, self.capacity = rule, capacity
         self.avg = rule.vote == "avg"
-        if not self.avg and rule.ties == "zero":
-            odd = self.v % 2 == 1
-            self.one, self.three = odd, (self.v > 0) & ~odd
+        self.width = width = n // blocks
+        counts = {v for v, size in zip(per_param.tolist(), sizes) if size}  # (left-out parameters have size 0)
+        self.uniform = counts.pop() if len(counts) == 1 else None
+        if self.uniform is not None:
+            numel = sum(sizes)
+            self.prefix = [max(0, min(width, numel - j * width)) for j in range(blocks)]
+            v = self.uniform
+            self.kind = None if v == 0 else ("three" if (not self.avg and rule.ties == "zero" and v % 2 == 0)
+                                             else "one")
+            self.n1 = [m if self.kind == "one" else 0 for m in self.prefix]
+            self.n3 = [m if self.kind == "three" else 0 for m in self.prefix]
         else:
-            self.one, self.three = self.v > 0, torch.zeros_like(self.v, dtype=torch.bool)
+            v = torch.zeros(n, dtype=torch.int16)
+            v[:sum(sizes)] = torch.repeat_interleave(per_param, torch.tensor(sizes, dtype=torch.int64))
+            self.v = v.view(blocks, -1)
+            if not self.avg and rule.ties == "zero":
+                odd = self.v % 2 == 1
+                self.one, self.three = odd, (self.v > 0) & ~odd
+            else:
+                self.one, self.three = self.v > 0, torch.zeros_like(self.v, dtype=torch.bool)
+            self.n1, self.n3 = self.one.sum(1).tolist(), self.three.sum(1).tolist()
         self.codec = FieldCodec(bits_for(rule.world_size + 1)) if self.avg else _SIGN
-        self.n1, self.n3 = self.one.sum(1).tolist(), self.three.sum(1).tolist()
         self.bytes1 = [self.codec.nbytes(m + (-m) % 8) for m in self.n1]
         self.bytes3 = [_TRIT.nbytes(m + (-m) % 5) for m in self.n3]
         self.head = 4 * (1 + 2 * capacity)
@@ -490,11 +535,32 @@ class _ByVoters:
 
     def _misfits(self, codes: Tensor, j: int) -> Tensor:
         """Where chunk j's codes do not fit their coordinate's format."""
+        if self.uniform is not None:
+            m, v = self.prefix[j], self.uniform
+            head, tail = codes[:m], codes[m:] != 0
+            if v == 0:
+                head = head != 0
+            elif self.avg:
+                c = head.to(torch.int32)
+                head = ((c + v) % 2 != 0) | (c.abs() > v)
+            elif self.kind == "one":
+                head = head == 0
+            else:  # base 3 holds every MaVo code
+                head = torch.zeros_like(head, dtype=torch.bool)
+            return torch.cat([head, tail])
         v = self.v[j].to(codes.device)
         if self.avg:
             c = codes.to(torch.int32)
             return (v == 0) & (c != 0) | (v > 0) & (((c + v) % 2 != 0) | (c.abs() > v))
         return (v == 0) & (codes != 0) | self.one[j].to(codes.device) & (codes == 0)
+
+    def _parts(self, codes: Tensor, j: int) -> tuple[Tensor, Tensor, object]:
+        """Chunk j's codes where 1 bit (or a count) goes, where a base-3 digit goes, and v there."""
+        if self.uniform is not None:
+            m = self.prefix[j]
+            return codes[:m] if self.n1[j] else codes[:0], codes[:m] if self.n3[j] else codes[:0], self.uniform
+        one, three = self.one[j].to(codes.device), self.three[j].to(codes.device)
+        return codes[one], codes[three], self.v[j][self.one[j]].to(codes.device)
 
     def encode(self, codes: Tensor, j: int) -> Tensor:
         h = torch.zeros(1 + 2 * self.capacity, dtype=torch.int32)
@@ -506,34 +572,43 @@ class _ByVoters:
             h[0] = where.numel()
             pairs = torch.stack([where, codes[where].to(torch.int64)], 1).reshape(-1)
             h[1:1 + pairs.numel()] = pairs.cpu().to(torch.int32)
-            codes = codes.masked_fill(bad, 0)
-        one, v1 = codes[self.one[j].to(codes.device)], self.v[j][self.one[j]].to(codes.device)
+            codes = codes.index_fill(0, where, 0)
+        one, three, v1 = self._parts(codes, j)
         if self.avg:
             one = (one.to(torch.int32) + v1) // 2
         else:
             one = torch.where(one == 0, torch.ones_like(one), one)
         parts = [h.view(torch.uint8).to(codes.device),
                  self.codec.encode(_padded(one, 8, 1 if not self.avg else 0)),
-                 _TRIT.encode(_padded(codes[self.three[j].to(codes.device)].to(torch.int8), 5, 0))]
+                 _TRIT.encode(_padded(three.to(torch.int8), 5, 0))]
         out = torch.cat(parts)
         return torch.cat([out, out.new_zeros(self.block - out.numel())])
 
     def decode(self, gathered: Tensor) -> Optional[Tensor]:
         """Every chunk's codes, or None when some chunk's exceptions did not fit."""
-        g = gathered.view(len(self.n1), self.block)
+        blocks = len(self.n1)
+        g = gathered.view(blocks, self.block)
         heads = g[:, :self.head].contiguous().view(torch.int32).cpu()
         if bool((heads[:, 0] < 0).any()):
             return None
-        codes = torch.zeros(self.v.shape, dtype=torch.int16 if self.avg else torch.int8, device=gathered.device)
+        codes = torch.zeros(blocks, self.width, dtype=torch.int16 if self.avg else torch.int8,
+                            device=gathered.device)
         for j, (n1, n3, b1, b3) in enumerate(zip(self.n1, self.n3, self.bytes1, self.bytes3)):
-            one, three = self.one[j].to(codes.device), self.three[j].to(codes.device)
             body = g[j, self.head:]
             a = self.codec.decode(body[:b1], n1)
-            if self.avg:
-                a = a * 2 - self.v[j][self.one[j]].to(a.device)
-            codes[j][one] = a.to(codes.dtype)
-            if n3:
-                codes[j][three] = _TRIT.decode(body[b1:b1 + b3], n3).to(codes.dtype)
+            if self.uniform is not None:
+                m = self.prefix[j]
+                if n1:
+                    codes[j, :m] = a * 2 - self.uniform if self.avg else a
+                if n3:
+                    codes[j, :m] = _TRIT.decode(body[b1:b1 + b3], n3)
+            else:
+                one, three = self.one[j].to(codes.device), self.three[j].to(codes.device)
+                if self.avg:
+                    a = a * 2 - self.v[j][self.one[j]].to(a.device)
+                codes[j][one] = a.to(codes.dtype)
+                if n3:
+                    codes[j][three] = _TRIT.decode(body[b1:b1 + b3], n3).to(codes.dtype)
             count = int(heads[j, 0])
             if count:
                 pairs = heads[j, 1:1 + 2 * count].view(count, 2).to(torch.int64).to(codes.device)
