@@ -129,3 +129,14 @@ def test_e2e_on_two_virtual_nodes_counts_the_bytes_crossing_the_uplinks(tmp_path
     n = rows["g-lion"]["params"]
     assert up["g-lion"] > 4 * n  # fp32 gradients cross between the nodes (≥ one copy each way)
     assert up["h-mavo-1bit"] < up["d-mavo-1bit"] < up["g-lion"] / 10, up
+
+
+def test_summary_pools_every_ranks_steps_into_median_and_mean():
+    from dlion.lab.bench.e2e.report import summarize
+
+    per_rank = [{"rank": k, "step_s": s, "fwd_bwd_s": [0.1] * 3, "bytes_sent_per_step": 10.0,
+                 "bytes_received_per_step": 10.0, "params": 5, "loss_first": 4.0, "loss_last": 3.0}
+                for k, s in ((0, [0.1, 0.1, 0.1]), (1, [0.1, 0.1, 0.7]))]
+    out = summarize(per_rank)
+    assert out["ms_per_step"] == pytest.approx(100.0)  # the median hides the one slow step ...
+    assert out["ms_mean"] == pytest.approx(200.0)      # ... the mean charges it: (5·100 + 700) / 6

@@ -102,3 +102,19 @@ def test_ttq_plot_draws_more_methods_than_it_has_colours(tmp_path):
     comp = ttq.compose(curves, step_ms, reference=methods[0])
     ttq.plot(curves, step_ms, comp, ["50mbit", "1gbit"], str(tmp_path / "p.png"), "t")
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_time_to_target_uses_the_mean_step_time_where_the_e2e_result_has_it(tmp_path):
+    """A run's wall clock is the sum of its steps: a method with rare slow steps is charged for them."""
+    cfg = {k: 1 for k in ttq.MODEL_KEYS}
+    doc = {"config": cfg, "workers": 4,
+           "results": [{"method": "g-lion", "link": "50mbit", "ms_per_step": 100.0, "ms_mean": 130.0},
+                       {"method": "d-mavo-1bit-ov", "link": "50mbit", "ms_per_step": 50.0, "ms_mean": 80.0}]}
+    path = tmp_path / "e2e_results.json"
+    path.write_text(json.dumps(doc))
+    assert ttq._step_times(str(path), cfg, 4) == ({"g-lion": {"50mbit": 130.0}, "d-mavo-1bit-ov": {"50mbit": 80.0}},
+                                                  "mean")
+    del doc["results"][1]["ms_mean"]  # a result written before e2e recorded means: medians, and it says so
+    path.write_text(json.dumps(doc))
+    assert ttq._step_times(str(path), cfg, 4) == ({"g-lion": {"50mbit": 100.0}, "d-mavo-1bit-ov": {"50mbit": 50.0}},
+                                                  "median")

@@ -10,9 +10,11 @@
 2. **Target**: L = G-Lion's validation loss at its last evaluation; each method's
    steps-to-L is its first evaluation at or below L (a method that never gets there is
    reported with its best loss).
-3. **Time**: time-to-L at each link rate = steps-to-L × the method's median step time at
-   that rate, read from a ``dlion bench e2e`` result (``--step-times``) measured on the
-   virtual cluster with the *same* model, batch and rank count (checked).
+3. **Time**: time-to-L at each link rate = steps-to-L × the method's mean step time at
+   that rate (slow steps count: a run's wall clock is their sum), read from a ``dlion bench
+   e2e`` result (``--step-times``) measured on the virtual cluster with the *same* model,
+   batch and rank count (checked). Results written before e2e recorded means give medians;
+   the output says which (``step_time_statistic``).
    ``--extend FILE`` adds methods to an earlier run: only the methods of ``--methods`` that
    FILE lacks are trained, with FILE's workload (model, batch, lr, steps, seed), and their
    curves join FILE's (G-Lion's included), so one slow method need not re-run the others.
@@ -301,8 +303,9 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _step_times(path: str, cfg: dict, workers: int) -> dict:
-    """method -> {link: ms per step} from an e2e result, refusing one of another workload."""
+def _step_times(path: str, cfg: dict, workers: int) -> tuple[dict, str]:
+    """(method -> {link: ms per step}, "mean" or "median") from an e2e result, refusing one of
+    another workload. The mean where the result has it (a run's time is the sum of its steps)."""
     with open(path) as f:
         doc = json.load(f)
     other = doc["config"]
@@ -311,10 +314,11 @@ def _step_times(path: str, cfg: dict, workers: int) -> dict:
         raise SystemExit(f"dlion bench ttq: {path} was measured with another workload "
                          f"({', '.join(f'{k}={other[k]!r}' for k in diff) or 'workers=' + str(doc['workers'])}); "
                          f"run `dlion bench e2e` with the same model, batch and ranks")
+    stat = "mean" if all("ms_mean" in r for r in doc["results"]) else "median"
     out: dict = {}
     for r in doc["results"]:
-        out.setdefault(r["method"], {})[r["link"]] = r["ms_per_step"]
-    return out
+        out.setdefault(r["method"], {})[r["link"]] = r["ms_mean" if stat == "mean" else "ms_per_step"]
+    return out, stat
 
 
 def main(argv: list[str]) -> int:
@@ -355,7 +359,7 @@ def main(argv: list[str]) -> int:
         methods = cfg["methods"] = [m for m in methods if m not in stored["curves"]]
         print(f"dlion bench ttq: workload of {args.extend} (its flags override these); "
               f"training {', '.join(methods) or 'nothing new'}")
-    step_ms = _step_times(args.step_times, cfg, args.workers) if args.step_times else {}
+    step_ms, step_stat = _step_times(args.step_times, cfg, args.workers) if args.step_times else ({}, None)
     os.makedirs(args.out, exist_ok=True)
     bar = None
     if not args.no_progress and not args.curves and methods:
@@ -390,10 +394,13 @@ def main(argv: list[str]) -> int:
     comp["target_is_reference"] = args.target is None
     doc = {"benchmark": "dlion bench ttq", "config": cfg, "workers": args.workers, "curves": curves,
            "runs": extra, "step_times_ms": step_ms, "step_times_from": os.path.basename(args.step_times or ""),
+           "step_time_statistic": step_stat,
            "composed": comp, "elapsed_s": time.time() - t0}
     if args.check_link:
         doc["check"] = _check(args, cfg, step_ms)
     text = table(comp, links)
+    if step_stat:
+        text = f"times: steps × the {step_stat} step time of {os.path.basename(args.step_times)}\n" + text
     if state_text(extra):
         text += "\n\n" + state_text(extra)
     if "check" in doc:

@@ -28,6 +28,8 @@ def summarize(per_rank: list[dict]) -> dict:
         "ms_per_step": 1e3 * statistics.median(steps),
         "ms_per_step_by_rank": [1e3 * by_rank[k] for k in ranks],
         "ms_p10": 1e3 * _quantile(steps, 0.1), "ms_p90": 1e3 * _quantile(steps, 0.9),
+        # what a run of many steps costs per step, slow steps included (time to quality uses it)
+        "ms_mean": 1e3 * statistics.fmean(steps),
         "fwd_bwd_ms": 1e3 * statistics.median(fb),
         "bytes_sent_per_rank_per_step": statistics.mean(r["bytes_sent_per_step"] for r in per_rank),
         "bytes_received_per_rank_per_step": statistics.mean(r["bytes_received_per_step"] for r in per_rank),
@@ -65,9 +67,9 @@ def table(link: str, bps: Optional[int], rows: dict, cfg: dict, world: int) -> s
              f"(n_layer {cfg['n_layer']}, n_embd {cfg['n_embd']}), batch {cfg['batch_size']}×{cfg['block_size']} "
              f"tokens per rank, buckets of {cfg['bucket_mb']:g} MB, median of {cfg['steps']} steps × {world} ranks"]
     w = max([38] + [len(label(m)) for m in rows])
-    head = (f"{'method':<{w}} {'ms/step':>8} {'vs G-Lion':>9} {'×compute':>8} {'fwd+bwd':>8} "
+    head = (f"{'method':<{w}} {'ms/step':>8} {'mean':>7} {'vs G-Lion':>9} {'×compute':>8} {'fwd+bwd':>8} "
             f"{'MB sent':>8} {'bits/param':>10} {'wire ms':>8}")
-    lines += [head, f"{'':<{w}} {'':>8} {'(speedup)':>9} {'':>8} {'ms':>8} {'/rank/step':>8} {'sent':>10} "
+    lines += [head, f"{'':<{w}} {'':>8} {'ms':>7} {'(speedup)':>9} {'':>8} {'ms':>8} {'/rank/step':>8} {'sent':>10} "
                     f"{'(ideal)':>8}", "-" * len(head)]
     for m, r in rows.items():
         ms = r["ms_per_step"]
@@ -77,7 +79,8 @@ def table(link: str, bps: Optional[int], rows: dict, cfg: dict, world: int) -> s
         bits = 8 * sent / r["params"]
         # hierarchical: only the bytes between nodes meet the shaped link (inside a node it is unshaped)
         wire = f"{8e3 * r.get('inter_node_bytes_sent_per_step', sent) / bps:>8.1f}" if bps else f"{'-':>8}"
-        lines.append(f"{label(m):<{w}} {ms:>8.1f} {speed} {frac} {r['fwd_bwd_ms']:>8.1f} {sent / 1e6:>8.3f} "
+        mean = f"{r['ms_mean']:>7.1f}" if "ms_mean" in r else f"{'-':>7}"
+        lines.append(f"{label(m):<{w}} {ms:>8.1f} {mean} {speed} {frac} {r['fwd_bwd_ms']:>8.1f} {sent / 1e6:>8.3f} "
                      f"{bits:>10.3f} {wire}")
     if any("uplink_bytes_per_step" in r for r in rows.values()):
         lines.append("(hierarchical methods: 'MB sent' counts the bytes inside the node too; 'wire ms' only those "
