@@ -14,7 +14,7 @@ from dlion.algorithms import (ALGORITHMS, Contribution, WireState, choose_algori
 from dlion.codec import ALIGN
 from dlion.collectives import CommStats, GroupTransport, field_width
 from dlion.pipeline import Flight
-from dlion.simulate import _lockstep
+from dlion.simulate import _lockstep, lockstep_outcomes
 from dlion.lab.spawn import spawn
 
 RULES = [("mavo", "zero"), ("mavo", "random"), ("avg", "zero")]
@@ -153,23 +153,8 @@ def test_zero_runs_and_masks():
 def _all_outcomes(gens: list, calls: list | None = None) -> list:
     """Every worker's outcome of one algorithm run, the collectives simulated (no processes);
     ``calls`` gets (kind, bytes worker 0 hands in) of each collective."""
-    from dlion.collectives import simulate_collective
-
-    ops, stats = [next(g) for g in gens], CommStats()
-    while True:
-        if calls is not None:
-            calls.append((ops[0][0], ops[0][1].numel() * ops[0][1].element_size()))
-        outs = simulate_collective(ops[0][0], [op[1] for op in ops], stats, ops[0][2])
-        done, nxt = [], []
-        for g, out in zip(gens, outs):
-            try:
-                nxt.append(g.send(out))
-            except StopIteration as stop:
-                done.append(stop.value)
-        if done:
-            assert not nxt
-            return done
-        ops = nxt
+    record = None if calls is None else (lambda kind, t: calls.append((kind, t.numel() * t.element_size())))
+    return lockstep_outcomes(gens, CommStats(), record)
 
 
 @settings(max_examples=60, deadline=None)

@@ -150,11 +150,24 @@ class SimulatedDistributedLion:
 def _lockstep(gens: list, stats: CommStats):
     """Run every worker's algorithm generator, one collective at a time; return worker 0's outcome
     (all workers reach the same one)."""
+    done = lockstep_outcomes(gens, stats)
+    # with the chunked 1-bit all-reduce each worker decided its own chunk (together, every
+    # coordinate once); where every worker decides every coordinate, the counts are N times
+    # as large and the fractions the same
+    stats.add_tallies([o.tally for o in done if o.tally is not None])
+    return done[0]
+
+
+def lockstep_outcomes(gens: list, stats: CommStats, on_collective: Optional[Callable] = None) -> list:
+    """Every worker's outcome of its algorithm generator, the collectives simulated one at a time;
+    ``on_collective(kind, worker 0's input)`` sees each of them."""
     ops = [next(g) for g in gens]
     while True:
         kind, _, label = ops[0]
         if any(op[0] != kind for op in ops):
             raise AssertionError("simulated workers disagree on the next collective")
+        if on_collective is not None:
+            on_collective(kind, ops[0][1])
         outs = simulate_collective(kind, [op[1] for op in ops], stats, label)
         done, nxt = [], []
         for g, out in zip(gens, outs):
@@ -165,9 +178,5 @@ def _lockstep(gens: list, stats: CommStats):
         if done:
             if nxt:
                 raise AssertionError("simulated workers disagree on the number of collectives")
-            # with the chunked 1-bit all-reduce each worker decided its own chunk (together, every
-            # coordinate once); where every worker decides every coordinate, the counts are N times
-            # as large and the fractions the same
-            stats.add_tallies([o.tally for o in done if o.tally is not None])
-            return done[0]
+            return done
         ops = nxt
