@@ -234,10 +234,38 @@ def apply_scaled_delta(params: list[Tensor], scaled: list[Tensor], lr: float, we
     torch._foreach_sub_(params, scaled)
 
 
+def apply_codes(b: Bucket, codes: Tensor, active: list[bool], work: Tensor, work_views: list[Tensor], lr: float,
+                weight_decay: float, divisor: int = 1) -> None:
+    """x ← x·(1 − η·λ) − η·Δ for the parameters of ``b`` marked ``active``, Δ = codes / ``divisor``.
+
+    MaVo codes are −1, 0 or +1, so η·Δ is exact in any float dtype and x − η·Δ is rounded once
+    whether η·Δ is written out first or not: fp32/fp64 parameters are then updated straight from
+    the integer codes (``_foreach_add_`` with alpha = −η), one pass over the bucket fewer than
+    through ``work``. Averages (``divisor`` > 1) and bf16/fp16 parameters go through ``work``
+    (:func:`scale_codes`, :func:`apply_scaled_delta`): the same roundings either way. Buckets of
+    many tiny parameters keep the ``work`` path too (per-step views would cost more than the pass)."""
+    codes = codes[:b.numel]
+    every = all(active)
+    if divisor == 1 and not b.low_precision and not codes.is_floating_point() and b.numel >= 256 * len(b.params):
+        ps = b.params if every else [p for p, a in zip(b.params, active) if a]
+        us = [codes[o:o + n].view(p.shape) for p, o, n, a in zip(b.params, b.offsets, b.sizes, active) if a]
+        if weight_decay != 0.0:
+            torch._foreach_mul_(ps, 1.0 - lr * weight_decay)
+        torch._foreach_add_(ps, us, alpha=-lr)
+        return
+    scale_codes(codes, work, lr, divisor)
+    if every:
+        ps, us = b.params, work_views
+    else:
+        ps = [p for p, a in zip(b.params, active) if a]
+        us = [u for u, a in zip(work_views, active) if a]
+    apply_scaled_delta(ps, us, lr, weight_decay)
+
+
 def _all_finite(c: Tensor) -> bool:
     """One min/max reduction (NaN propagates, ±inf shows at an end): much cheaper than isfinite().all()."""
     return bool(torch.isfinite(torch.stack(torch.aminmax(c.reshape(-1)))).all()) if c.numel() else True
 
 
 __all__ += ["RankBuffers", "Scratch", "contribute", "update_momentum", "scale_codes", "apply_scaled_delta",
-            "Contribution"]
+            "apply_codes", "Contribution"]

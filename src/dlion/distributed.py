@@ -49,8 +49,7 @@ from torch.profiler import record_function
 from .aggregation import VoteRule, coin_key
 from .algorithms import (ALGORITHMS, BAD, NONFINITE, Contribution, Outcome, WireState, choose_algorithm,
                          make_algorithm, run_compacted)
-from .buckets import (Bucket, LeftOut, RankBuffers, Scratch, apply_scaled_delta, contribute, layout_buckets,
-                      scale_codes, update_momentum)
+from .buckets import Bucket, LeftOut, RankBuffers, Scratch, apply_codes, contribute, layout_buckets, update_momentum
 from .collectives import CommStats, GroupTransport
 from .pipeline import Flight, Pipeline
 from .lion import Lion, param_tensors, check_grad
@@ -498,14 +497,8 @@ class DistributedLion(Lion):
         active = o.has_grad.tolist()
         if any(active):
             buf = self._buffers[k]
-            update = scale_codes(o.codes[:b.numel], buf.work, group["lr"],
-                                 self.world_size if self.rule.vote == "avg" else 1)
-            if all(active):
-                ps, us = b.params, buf.work_views
-            else:
-                ps = [p for p, a in zip(b.params, active) if a]
-                us = [u for u, a in zip(buf.work_views, active) if a]
-            apply_scaled_delta(ps, us, group["lr"], group["weight_decay"])
+            apply_codes(b, o.codes, active, buf.work, buf.work_views, group["lr"], group["weight_decay"],
+                        self.world_size if self.rule.vote == "avg" else 1)
             self._steps[k].add_(o.has_grad.to(self._steps[k].dtype))
         if any(present):
             update_momentum(b, self._buffers[k], present, group["betas"][1], self._scratch)

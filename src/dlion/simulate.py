@@ -19,8 +19,7 @@ from torch import Tensor
 
 from .aggregation import VoteRule, coin_key
 from .algorithms import Contribution, WireState, choose_algorithm, make_algorithm, run_compacted
-from .buckets import (LeftOut, RankBuffers, Scratch, apply_scaled_delta, contribute, layout_buckets, scale_codes,
-                      update_momentum)
+from .buckets import LeftOut, RankBuffers, Scratch, apply_codes, contribute, layout_buckets, update_momentum
 from .collectives import CommStats, simulate_collective
 from .distributed import check_options, momentum_sync_due
 from .lion import check_hyperparameters, check_momentum_dtype, check_params
@@ -73,6 +72,7 @@ class SimulatedDistributedLion:
         check_momentum_dtype(momentum_dtype)
         self.buffers = [[RankBuffers(b, momentum_dtype) for b in self.buckets] for _ in range(world_size)]
         self.updates = [b.flat() for b in self.buckets]
+        self.update_views = [b.views(u) for b, u in zip(self.buckets, self.updates)]
         self.scratch = Scratch()
         self.comm_stats = CommStats()
         self.step_count = 0
@@ -121,11 +121,8 @@ class SimulatedDistributedLion:
         for kb, (b, (outcome, present)) in enumerate(zip(self.buckets, results)):
             active = outcome.has_grad.tolist()
             if any(active):
-                update = scale_codes(outcome.codes[:b.numel], self.updates[kb], self.lr,
-                                     N if self.rule.vote == "avg" else 1)  # η·Δ, as DistributedLion applies it
-                views = b.views(update)
-                apply_scaled_delta([p for p, a in zip(b.params, active) if a],
-                                   [u for u, a in zip(views, active) if a], self.lr, self.weight_decay)
+                apply_codes(b, outcome.codes, active, self.updates[kb], self.update_views[kb], self.lr,
+                            self.weight_decay, N if self.rule.vote == "avg" else 1)  # as DistributedLion applies it
             for i in range(N):
                 if any(present[i]):
                     update_momentum(b, self.buffers[i][kb], present[i], self.betas[1], self.scratch)

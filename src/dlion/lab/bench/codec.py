@@ -25,7 +25,7 @@ import torch
 
 from dlion.aggregation import VoteRule
 from dlion.algorithms import Contribution, WireState, make_algorithm, padded_length
-from dlion.buckets import (RankBuffers, Scratch, apply_scaled_delta, contribute, layout_buckets, scale_codes,
+from dlion.buckets import (RankBuffers, Scratch, apply_codes, contribute, layout_buckets,
                            update_momentum)
 from dlion.collectives import simulate_collective
 from dlion.lion import Lion
@@ -107,9 +107,10 @@ def run(n: int, world: int, vote: str, comm: str, repeat: int, device: str) -> d
         exchange()
     exchange_s = inside[0] / runs / world
 
+    @torch.no_grad()
     def apply():
-        work = scale_codes(outcome.codes[:b.numel], bufs[0].work, 1e-4, world if vote == "avg" else 1)
-        apply_scaled_delta([p.detach().view(-1)], [work], 1e-4, 0.1)
+        apply_codes(b, outcome.codes, [True], bufs[0].work, bufs[0].work_views, 1e-4, 0.1,
+                    world if vote == "avg" else 1)
         update_momentum(b, bufs[0], [True], 0.99, scratch)
 
     t = {
