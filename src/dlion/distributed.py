@@ -491,8 +491,8 @@ class DistributedLion(Lion):
             self.check_replicas()
 
     def _apply(self, k: int, b: Bucket, o: Outcome, present: list[bool]) -> None:
-        """x ← x·(1 − η·λ) − η·Δ for the parameters some rank had a gradient for (η·Δ computed
-        once on the flat bucket, then two multi-tensor operations), then this rank's momentum update."""
+        """x ← x·(1 − η·λ) − η·Δ for the parameters some rank had a gradient for (two multi-tensor
+        operations, :func:`dlion.buckets.apply_codes`), then this rank's momentum update."""
         group = b.group
         active = o.has_grad.tolist()
         if any(active):
