@@ -25,8 +25,7 @@ import torch
 
 from dlion.aggregation import VoteRule
 from dlion.algorithms import Contribution, WireState, make_algorithm, padded_length
-from dlion.buckets import (RankBuffers, Scratch, apply_codes, contribute, layout_buckets,
-                           update_momentum)
+from dlion.buckets import RankBuffers, Scratch, apply_codes, contribute, layout_buckets, update_momentum
 from dlion.collectives import simulate_collective
 from dlion.lion import Lion
 
