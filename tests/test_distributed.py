@@ -35,6 +35,8 @@ def simulate(world, cfg, layout, momenta=False):
                 if g is None:
                     deltas.append(torch.zeros_like(x[k]))  # abstain
                     continue
+                if cfg.get("maximize"):
+                    g = -g
                 mk = m[i][k].to(x[k].dtype)
                 c = BETAS[0] * mk + (1 - BETAS[0]) * g
                 deltas.append(torch.sign(c))
@@ -70,6 +72,7 @@ CONFIGS = [
     dict(vote="avg", comm="auto"),
     dict(vote="mavo", momentum_dtype=torch.bfloat16),
     dict(vote="avg", dense=True, momentum_dtype=torch.bfloat16),
+    dict(vote="mavo", maximize=True),  # (the fp32 bucket reads its gradients in place, the fp64 one copies them)
 ]
 
 

@@ -203,14 +203,16 @@ def test_desync_check_names_the_first_diverging_parameter():
         assert "parameter 3 (shape (3, 3)) differs between rank 0 and rank 1 after step 4" in msg
 
 
-def nonfinite_worker(rank, world, policy):
+def nonfinite_worker(rank, world, policy, at=1):
     params = [p.requires_grad_() for p in init_params(rank)]
     opt = dlion.DistributedLion(params, lr=LR, nonfinite=policy)
     outcome = []
     for t in range(3):
         grads = grads_for(rank, t, True)
         if t == 1 and rank == 2:
-            grads[1][3] = float("nan")
+            grads[at].view(-1)[3] = float("nan")
+        if t == 2 and rank == 2:
+            grads[0] = None  # (a parameter without gradient right after a NaN in the same bucket)
         for p, g in zip(params, grads):
             p.grad = g
         before = [p.detach().clone() for p in params]
@@ -223,8 +225,9 @@ def nonfinite_worker(rank, world, policy):
     return outcome, opt.skipped_steps, [p.detach() for p in params]
 
 
-def test_nonfinite_gradient_on_one_rank_skips_the_step_everywhere():
-    results = spawn(nonfinite_worker, 3, "skip")
+@pytest.mark.parametrize("at", [1, 0])  # in the fp64 bucket (gradients copied) or the fp32 one (read in place)
+def test_nonfinite_gradient_on_one_rank_skips_the_step_everywhere(at):
+    results = spawn(nonfinite_worker, 3, "skip", at)
     for outcome, skipped, params in results:
         assert outcome == ["ok", False, "ok", True, "ok", False]  # step 1 left parameters unchanged
         assert skipped == 1

@@ -126,6 +126,9 @@ class RankBuffers:
         self.grad_views = b.views(self.grad)
         self.momentum_views = b.views(self.momentum)
         self.work_views = b.views(self.work)
+        #: The gradients the last :func:`contribute` read in place (``borrow=True``) and the sign
+        #: it gave them, for :func:`update_momentum`; None when they were copied into ``grad``.
+        self.borrowed: Optional[tuple[list[Optional[Tensor]], float]] = None
 
 
 class Scratch:
@@ -144,38 +147,50 @@ class Scratch:
 
 
 def contribute(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], scratch: Scratch, *, beta1: float,
-               maximize: bool, quant: Optional[tuple[int, str]] = None) -> tuple[Tensor, list[bool], bool]:
+               maximize: bool, quant: Optional[tuple[int, str]] = None,
+               borrow: bool = False) -> tuple[Tensor, list[bool], bool]:
     """This rank's int8 contribution for bucket ``b`` from its gradients (None = no gradient):
     c = β1·m + (1 − β1)·g per coordinate; δ = sign(c) (or q = quantize(c) per parameter with
     ``quant = (levels, norm)``); coordinates of parameters without a gradient abstain (0).
-    Returns (values, has_grad per parameter, all c finite). Momentum is left untouched."""
+    Returns (values, has_grad per parameter, all c finite). Momentum is left untouched.
+
+    ``borrow=True`` promises that ``grads`` stay as they are until :func:`update_momentum`:
+    (1 − β1)·g is then written straight from them, one pass over the bucket fewer than copying
+    them into ``buf.grad`` first (the same roundings: a product rounded once either way, and
+    negation for ``maximize`` is exact). Low-precision gradients (cast to fp32 on the copy) and
+    buckets of many tiny parameters (a per-parameter operation would cost more) copy anyway."""
     present = [g is not None for g in grads]
     values = buf.values
+    buf.borrowed = None
     if not any(present):
         values.zero_()
         return values, present, True
-    dst = [v for v, ok in zip(buf.grad_views, present) if ok]
-    src = [g for g in grads if g is not None]
-    if dst:
-        torch._foreach_copy_(dst, src)  # casts bf16/fp16 gradients to the fp32 work dtype
     partial = not all(present)
-    if partial:
-        for j, ok in enumerate(present):
-            if not ok:
-                buf.grad_views[j].zero_()
-    g = buf.grad
-    if maximize:
-        g.neg_()
+    sign = -1.0 if maximize else 1.0
     # c = β1·m + (1 − β1)·g, each product rounded on its own (the literal rule), without allocations
     if buf.momentum.dtype == buf.work.dtype:
         c = torch.mul(buf.momentum, beta1, out=buf.work)
     else:  # momentum stored narrower (momentum_dtype): widen it first, so the math is the fp32 rule
         c = buf.work.copy_(buf.momentum).mul_(beta1)
-    c.add_(torch.mul(g, 1.0 - beta1, out=scratch.get(g)))
+    scaled = scratch.get(c)
+    if borrow and _borrowable(b, grads):
+        _scaled_grads(b, grads, sign * (1.0 - beta1), scaled)
+        buf.borrowed = (grads, sign)
+    else:
+        dst = [v for v, ok in zip(buf.grad_views, present) if ok]
+        torch._foreach_copy_(dst, [g for g in grads if g is not None])  # casts bf16/fp16 gradients to fp32
+        if partial:
+            for j, ok in enumerate(present):
+                if not ok:
+                    buf.grad_views[j].zero_()
+        if maximize:
+            buf.grad.neg_()
+        torch.mul(buf.grad, 1.0 - beta1, out=scaled)
+    c.add_(scaled)
     finite = _all_finite(c)
     out = values[:b.numel]
     if quant is None:
-        out.copy_(torch.sign(c, out=scratch.get(c)))  # sign(0) = 0: an abstention
+        out.copy_(torch.sign(c, out=scaled))  # sign(0) = 0: an abstention
     else:
         levels, norm = quant
         for j, (o, n) in enumerate(zip(b.offsets, b.sizes)):
@@ -188,16 +203,38 @@ def contribute(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], scrat
     return values, present, finite
 
 
+def _borrowable(b: Bucket, grads: list[Optional[Tensor]]) -> bool:
+    return b.numel >= 256 * len(grads) and all(g is None or g.dtype == b.dtype for g in grads)
+
+
+def _scaled_grads(b: Bucket, grads: list[Optional[Tensor]], factor: float, out: Tensor) -> None:
+    """out ← factor·g per parameter, read from the gradients where they are (0 where None)."""
+    for g, o, n in zip(grads, b.offsets, b.sizes):
+        dst = out[o:o + n]
+        if g is None:
+            dst.zero_()
+        else:
+            torch.mul(g, factor, out=dst.view(g.shape))
+
+
 def update_momentum(b: Bucket, buf: RankBuffers, present: list[bool], beta2: float, scratch: Scratch) -> None:
-    """m ← β2·m + (1 − β2)·g on the coordinates of parameters this rank had gradients for.
-    A momentum stored narrower than the work dtype is updated in the work dtype (in ``buf.work``,
-    free once Δ is applied) and rounded once, to nearest, on the way back."""
+    """m ← β2·m + (1 − β2)·g on the coordinates of parameters this rank had gradients for, g as the
+    last :func:`contribute` read it (borrowed or copied). A momentum stored narrower than the work
+    dtype is updated in the work dtype (in ``buf.work``, free once Δ is applied) and rounded once,
+    to nearest, on the way back."""
     spans = [(0, b.numel)] if all(present) else b.ranges(present)
     narrow = buf.momentum.dtype != buf.work.dtype
+    scaled = scratch.get(buf.work)
+    if buf.borrowed is not None:
+        grads, sign = buf.borrowed
+        _scaled_grads(b, grads, sign * (1.0 - beta2), scaled)
+    else:
+        for lo, hi in spans:
+            torch.mul(buf.grad[lo:hi], 1.0 - beta2, out=scaled[lo:hi])
     for lo, hi in spans:
-        m, g = buf.momentum[lo:hi], buf.grad[lo:hi]
+        m = buf.momentum[lo:hi]
         w = buf.work[lo:hi].copy_(m) if narrow else m
-        w.mul_(beta2).add_(torch.mul(g, 1.0 - beta2, out=scratch.get(g)))
+        w.mul_(beta2).add_(scaled[lo:hi])
         if narrow:
             m.copy_(w)
 

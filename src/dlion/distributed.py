@@ -339,7 +339,7 @@ class DistributedLion(Lion):
             quant = (self.quant_levels, self.quant_norm) if self.aggregate == "quantized" else None
             values, present, finite = contribute(b, buf, [p.grad for p in b.params], self._scratch,
                                                  beta1=group["betas"][0],
-                                                 maximize=group["maximize"], quant=quant)
+                                                 maximize=group["maximize"], quant=quant, borrow=True)
             if not finite:
                 status |= NONFINITE
             if self.sign_hook is not None:
@@ -509,7 +509,7 @@ class DistributedLion(Lion):
         all-reduce *and* the vote. One small all-gather of checksums, once (none when nothing is trainable)."""
         if not self._buffers:
             return
-        mine = torch.stack([bits_checksum(buf.grad) for buf in self._buffers]).view(torch.int32).reshape(-1)
+        mine = torch.stack([bits_checksum(_flat_grad(b)) for b in self.buckets]).view(torch.int32).reshape(-1)
         work, everyone = self._first.issue("all_gather", mine.to(self.buckets[0].device), "check")
         work.wait()
         table = everyone.cpu().view(self.world_size, -1)
@@ -754,6 +754,12 @@ def raise_if_diverged(gathered: Tensor, params: list[Tensor], world: int, who: s
             if not torch.equal(table[r, i], table[0, i]):
                 raise DesyncError(f"{who}: parameter {i} (shape {tuple(p.shape)}) differs between rank 0 and "
                                   f"rank {r} after step {step}; replicas have diverged.")
+
+
+def _flat_grad(b: Bucket) -> Tensor:
+    """The gradients of a bucket's parameters end to end (those that have one)."""
+    gs = [p.grad.reshape(-1) for p in b.params if p.grad is not None]
+    return torch.cat(gs) if gs else torch.zeros(0, dtype=b.dtype, device=b.device)
 
 
 def bits_checksum(p: Tensor) -> Tensor:

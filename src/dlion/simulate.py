@@ -107,7 +107,7 @@ class SimulatedDistributedLion:
             for i in range(N):
                 buf = self.buffers[i][kb]
                 values, has, _ = contribute(b, buf, [grads[i][k] for k in b.indices], self.scratch, beta1=self.betas[0],
-                                            maximize=False, quant=quant)
+                                            maximize=False, quant=quant, borrow=True)
                 if self.sign_hooks[i] is not None:
                     values[:b.numel] = self.sign_hooks[i](step, values[:b.numel].clone())
                 present.append(has)

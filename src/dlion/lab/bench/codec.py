@@ -75,7 +75,7 @@ def run(n: int, world: int, vote: str, comm: str, repeat: int, device: str) -> d
     states = [WireState(up="narrow" if comm == "pbit" else "runs") for _ in range(world)]
     contribs = []
     for r in range(world):
-        values, present, _ = contribute(b, bufs[r], [grads[r]], scratch, beta1=0.9, maximize=False)
+        values, present, _ = contribute(b, bufs[r], [grads[r]], scratch, beta1=0.9, maximize=False, borrow=True)
         contribs.append(Contribution(values.clone(), b.numel, torch.tensor(present)))
     inside = [0.0]
 
@@ -114,7 +114,8 @@ def run(n: int, world: int, vote: str, comm: str, repeat: int, device: str) -> d
 
     t = {
         "lion step": timed(opt.step),
-        "contribute": timed(lambda: contribute(b, bufs[0], [grads[0]], scratch, beta1=0.9, maximize=False)),
+        "contribute": timed(lambda: contribute(b, bufs[0], [grads[0]], scratch, beta1=0.9, maximize=False,
+                                                  borrow=True)),
         "exchange": exchange_s,
         "apply": timed(apply),
     }
