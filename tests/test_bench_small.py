@@ -35,3 +35,28 @@ def test_comm_bench_models_a_layer_without_gradient_costs_nothing_after_the_firs
         assert unused["first"] > frozen["first"]  # the first step cannot know it is unused
         assert unused["steady"] == frozen["steady"]  # after that it costs nothing on the wire
     assert "+ layer with grads on even ranks" in capsys.readouterr().out
+
+
+def test_timeline_summary_pools_ranks_and_measures_the_span_of_each_step():
+    """Two ranks, two steps, times written out by hand: the CPU floor, the span (first start to
+    last end across ranks) and the machine's load in it, computed here independently."""
+    from dlion.lab.bench.timeline import summarize
+
+    def step(t0, wall, cpu, events=()):
+        return {"t0": t0, "fwd": 0.01, "bwd_end": 0.05, "step": wall, "cpu": cpu, "sys": 0.001, "events": list(events)}
+
+    ev = [{"op": "all_to_all_single", "issue": 0.02, "done": 0.08, "bytes": 100},
+          {"op": "all_gather_single", "issue": 0.09, "done": 0.11, "bytes": 40}]
+    ranks = [{"rank": 0, "steps": [step(10.00, 0.20, 0.30, ev), step(11.00, 0.10, 0.10, ev)],
+              "training_thread_cpu_ms_per_step": 7.0},
+             {"rank": 1, "steps": [step(10.05, 0.25, 0.10, ev), step(11.02, 0.10, 0.10, ev)]}]
+    s = summarize(ranks, cores=2)
+    assert abs(s["step_ms_mean"] - 1e3 * (0.20 + 0.10 + 0.25 + 0.10) / 4) < 1e-9
+    assert abs(s["cpu_ms_per_step_all_ranks"] - 1e3 * (0.40 + 0.20) / 2) < 1e-9
+    assert abs(s["cpu_floor_ms"] - 150.0) < 1e-9
+    spans = [10.30 - 10.00, 11.12 - 11.00]  # step 0 ends with rank 1 at 10.05 + 0.25
+    assert abs(s["span_ms_mean"] - 1e3 * sum(spans) / 2) < 1e-9
+    assert abs(s["cpu_busy"] - (0.40 / (2 * spans[0]) + 0.20 / (2 * spans[1])) / 2) < 1e-9
+    assert s["collectives_per_step"] == 2 and s["bytes_issued_per_step_rank0"] == 140
+    assert abs(s["first_issue_ms_mean"] - 20.0) < 1e-9 and abs(s["last_done_ms_mean"] - 110.0) < 1e-9
+    assert s["training_thread_cpu_ms_per_step"] == 7.0

@@ -5,6 +5,7 @@
 * ``overlap`` step time with communication overlapped with backward, on vs off
 * ``e2e``     end-to-end step time on an emulated slow network (virtual cluster)
 * ``ttq``     time to a target validation loss per link rate (curves from real ranks × e2e step times)
+* ``timeline`` per step: phases, each collective's issue and completion, CPU time against the CPU floor
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ("codec", "comm", "overlap", "e2e", "ttq")
+BENCHMARKS = ("codec", "comm", "overlap", "e2e", "ttq", "timeline")
 
 
 def main(argv: list[str]) -> int:
