@@ -131,3 +131,24 @@ def test_row_sum_counts_like_a_wide_sum(rows, width, kind, seed):
     want = [sum(int(x[r, j]) for r in range(rows)) for j in range(width)]
     got = row_sum(x)
     assert got.dtype == torch.int16 and got.tolist() == want
+
+
+def _coin_by_hand(key, i):
+    """The tie-coin hash of (key, coordinate i) in Python integers: the documented contract."""
+    x = (i ^ key) & 0xFFFFFFFF
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    x = (x >> 16) ^ x
+    return 1 if x & 1 else -1
+
+
+def test_tie_coins_equal_the_hash_written_out_on_both_code_paths():
+    from dlion.aggregation import _tie_coins_at_torch, tie_coins_at
+
+    g = torch.Generator().manual_seed(3)
+    index = torch.cat([torch.arange(0, 300), torch.randint(0, 2**40, (300,), generator=g),
+                       torch.tensor([2**32 - 1, 2**32, 2**32 + 1, 2**31])])
+    for key in (0, 1, 0x9E3779B1, coin_key(5, 7, 2), 0xFFFFFFFF):
+        want = torch.tensor([_coin_by_hand(key, int(i)) for i in index], dtype=torch.int8)
+        assert torch.equal(tie_coins_at(key, index), want)          # CPU: numpy uint32
+        assert torch.equal(_tie_coins_at_torch(key, index), want)   # elsewhere: torch int64

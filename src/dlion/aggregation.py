@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -65,12 +66,37 @@ def tie_coins(key: int, start: int, n: int, device=None) -> Tensor:
 
 
 def tie_coins_at(key: int, index: Tensor) -> Tensor:
-    """:func:`tie_coins` for arbitrary (int64) coordinates ``index``."""
+    """:func:`tie_coins` for arbitrary (int64) coordinates ``index``. On the CPU the hash runs in
+    numpy's uint32, whose products wrap modulo 2^32: the same bits as the int64 products masked
+    to 32 bits, in half the memory traffic."""
+    if index.device.type == "cpu":
+        x = index.numpy().astype(np.uint32) ^ np.uint32(key & _MASK32)  # the low 32 bits of index ^ key
+        x = ((x >> 16) ^ x) * np.uint32(0x45D9F3B)
+        x = ((x >> 16) ^ x) * np.uint32(0x45D9F3B)
+        x = (x >> 16) ^ x
+        return torch.from_numpy((x & 1).astype(np.int8) * np.int8(2) - np.int8(1))
+    return _tie_coins_at_torch(key, index)
+
+
+def _tie_coins_at_torch(key: int, index: Tensor) -> Tensor:
     x = (index ^ key) & _MASK32
     x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
     x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
     x = (x >> 16) ^ x
     return ((x & 1) * 2 - 1).to(torch.int8)
+
+
+def _ties(s: Tensor, nz: Optional[Tensor]) -> Tensor:
+    """Indices of the tied coordinates: s = 0 with at least one vote (nz None: all voted)."""
+    if s.device.type == "cpu":  # numpy's flatnonzero is several times faster than torch's nonzero here
+        tied = s.numpy() == 0
+        if nz is not None:
+            tied &= nz.numpy() > 0
+        return torch.from_numpy(np.flatnonzero(tied))
+    tied = s == 0
+    if nz is not None:
+        tied &= nz > 0
+    return tied.nonzero().view(-1)
 
 
 @dataclass(frozen=True)
@@ -91,15 +117,16 @@ class VoteRule:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
 
     # -- the rule -----------------------------------------------------------
-    def decide(self, s: Tensor, nz: Tensor, *, key: int = 0, start: int = 0,
+    def decide(self, s: Tensor, nz: Optional[Tensor], *, key: int = 0, start: int = 0,
                index: Optional[Tensor] = None) -> Tensor:
         """Codes for coordinates start … start+len(s)−1 (or ``index``, where the values
-        were gathered from elsewhere in the bucket) from their (s, nz)."""
+        were gathered from elsewhere in the bucket) from their (s, nz); ``nz`` None: every
+        worker voted on every coordinate."""
         if self.vote == "avg":
             return s.to(torch.int16)
         code = torch.sign(s).to(torch.int8)
         if self.ties == "random":
-            where = ((s == 0) & (nz > 0)).nonzero().view(-1)  # hash only the ties' coordinates
+            where = _ties(s, nz)  # hash only the ties' coordinates
             if where.numel():
                 at = where + start if index is None else index.to(s.device)[where]
                 code[where] = tie_coins_at(key, at)
