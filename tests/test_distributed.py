@@ -753,3 +753,28 @@ def test_a_few_zeros_of_c_ride_as_exceptions_or_fall_back(world):
     calls = {cfg["vote"] + cfg.get("ties", ""): res["calls"] for cfg, res in zip(DEAD_CONFIGS, results)}
     assert calls["mavo"][1:] == calls["mavorandom"][1:] == [2] * (SKIP_STEPS - 1), calls
     assert calls["avg"][1:] == [3] * (SKIP_STEPS - 1), calls
+
+
+def test_the_optimizer_keeps_no_reference_to_the_gradients_after_a_step():
+    """Gradients read in place by the vote must be released with the step: after zero_grad()
+    nothing of the optimizer holds them (a weak reference dies)."""
+    results = spawn(_released_worker, 2)
+    for alive in results:
+        assert alive == [False, False]
+
+
+def _released_worker(rank, world):
+    import gc
+    import weakref
+
+    p = torch.nn.Parameter(torch.randn(64, 64))
+    opt = dlion.DistributedLion([p], lr=0.01)
+    out = []
+    for step in range(2):
+        p.grad = torch.randn(64, 64, generator=torch.Generator().manual_seed(rank * 10 + step))
+        ref = weakref.ref(p.grad)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        gc.collect()
+        out.append(ref() is not None)
+    return out

@@ -227,6 +227,7 @@ def update_momentum(b: Bucket, buf: RankBuffers, present: list[bool], beta2: flo
     scaled = scratch.get(buf.work)
     if buf.borrowed is not None:
         grads, sign = buf.borrowed
+        buf.borrowed = None  # (holding them would keep the gradients alive past zero_grad)
         _scaled_grads(b, grads, sign * (1.0 - beta2), scaled)
     else:
         for lo, hi in spans:

@@ -403,8 +403,12 @@ class DistributedLion(Lion):
         with record_function("dlion.exchange"):
             outcomes = st.pipeline.finish(progress=lambda: self._apply_finished(st))
         self._step = None
-        with record_function("dlion.apply"):
-            self._finish(step_no, st, outcomes)
+        try:
+            with record_function("dlion.apply"):
+                self._finish(step_no, st, outcomes)
+        finally:
+            for buf in self._buffers:  # a skipped or failed step leaves no reference to this step's gradients
+                buf.borrowed = None
         return loss
 
     def _apply_finished(self, st: _Step) -> None:
@@ -543,6 +547,8 @@ class DistributedLion(Lion):
         self._issue_ready(self.step_count)
         self._step.pipeline.finish()
         self._step = None
+        for buf in self._buffers:
+            buf.borrowed = None
 
     # -- Lion Cub extras ---------------------------------------------------------
     @torch.no_grad()
