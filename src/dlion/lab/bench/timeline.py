@@ -71,7 +71,7 @@ class _Recorder:
 
 
 def _profile_ms(prof, steps: int) -> dict:
-    """CPU ms per step of the library's functions (cumulative) and of the whole step."""
+    """CPU ms per step inside the library functions of ``_SHOWN`` (cumulative: callees included)."""
     import pstats
 
     out = {}
