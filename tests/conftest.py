@@ -53,7 +53,8 @@ def configs_worker(rank, world, configs):
                                     aggregate=cfg.get("aggregate", "sign"), quant_norm=cfg.get("quant_norm", "l1"),
                                     quant_bits=cfg.get("quant_bits", 8),
                                     bucket_cap_mb=cfg.get("bucket_cap_mb", 25.0), seed=5,
-                                    momentum_dtype=cfg.get("momentum_dtype"), maximize=cfg.get("maximize", False))
+                                    momentum_dtype=cfg.get("momentum_dtype"), maximize=cfg.get("maximize", False),
+                                    fused=cfg.get("fused", False))
         for t in range(STEPS):
             for p, g in zip(params, grads_for(rank, t, cfg.get("dense", False))):
                 p.grad = g

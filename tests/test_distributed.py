@@ -73,6 +73,9 @@ CONFIGS = [
     dict(vote="mavo", momentum_dtype=torch.bfloat16),
     dict(vote="avg", dense=True, momentum_dtype=torch.bfloat16),
     dict(vote="mavo", maximize=True),  # (the fp32 bucket reads its gradients in place, the fp64 one copies them)
+    dict(vote="mavo", ties="random", fused=True),  # compiled local math (fp32 and fp64 buckets; abstentions)
+    dict(vote="avg", dense=True, maximize=True, fused=True),
+    dict(vote="mavo", fused=True, momentum_dtype=torch.bfloat16),  # (falls back: bf16-stored momentum)
 ]
 
 

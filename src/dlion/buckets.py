@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import kernels
 from .algorithms import Contribution, padded_length
 from .quantize import quantize
 
@@ -148,7 +149,7 @@ class Scratch:
 
 def contribute(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], scratch: Scratch, *, beta1: float,
                maximize: bool, quant: Optional[tuple[int, str]] = None,
-               borrow: bool = False) -> tuple[Tensor, list[bool], bool]:
+               borrow: bool = False, fused: bool = False) -> tuple[Tensor, list[bool], bool]:
     """This rank's int8 contribution for bucket ``b`` from its gradients (None = no gradient):
     c = β1·m + (1 − β1)·g per coordinate; δ = sign(c) (or q = quantize(c) per parameter with
     ``quant = (levels, norm)``); coordinates of parameters without a gradient abstain (0).
@@ -158,7 +159,11 @@ def contribute(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], scrat
     (1 − β1)·g is then written straight from them, one pass over the bucket fewer than copying
     them into ``buf.grad`` first (the same roundings: a product rounded once either way, and
     negation for ``maximize`` is exact). Low-precision gradients (cast to fp32 on the copy) and
-    buckets of many tiny parameters (a per-parameter operation would cost more) copy anyway."""
+    buckets of many tiny parameters (a per-parameter operation would cost more) copy anyway.
+
+    ``fused=True`` (:func:`fused_applies`): the gradients are copied into ``buf.grad`` and
+    c, its sign and the finiteness check are one compiled loop (:mod:`dlion.kernels`), the
+    same roundings; ``borrow`` is then ignored."""
     present = [g is not None for g in grads]
     values = buf.values
     buf.borrowed = None
@@ -167,6 +172,17 @@ def contribute(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], scrat
         return values, present, True
     partial = not all(present)
     sign = -1.0 if maximize else 1.0
+    if fused and quant is None and fused_applies(buf):
+        _copy_grads(buf, grads, present)
+        out = values[:b.numel]
+        finite = kernels.sign_contribution(buf.momentum, buf.grad, beta1, sign * (1.0 - beta1), out)
+        if maximize:
+            buf.grad.neg_()  # what update_momentum reads, as on the unfused path
+        if partial:
+            for j, ok in enumerate(present):
+                if not ok:
+                    out[b.offsets[j]:b.offsets[j] + b.sizes[j]].zero_()
+        return values, present, finite
     # c = β1·m + (1 − β1)·g, each product rounded on its own (the literal rule), without allocations
     if buf.momentum.dtype == buf.work.dtype:
         c = torch.mul(buf.momentum, beta1, out=buf.work)
@@ -177,12 +193,7 @@ def contribute(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], scrat
         _scaled_grads(b, grads, sign * (1.0 - beta1), scaled)
         buf.borrowed = (grads, sign)
     else:
-        dst = [v for v, ok in zip(buf.grad_views, present) if ok]
-        torch._foreach_copy_(dst, [g for g in grads if g is not None])  # casts bf16/fp16 gradients to fp32
-        if partial:
-            for j, ok in enumerate(present):
-                if not ok:
-                    buf.grad_views[j].zero_()
+        _copy_grads(buf, grads, present)
         if maximize:
             buf.grad.neg_()
         torch.mul(buf.grad, 1.0 - beta1, out=scaled)
@@ -203,6 +214,22 @@ def contribute(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], scrat
     return values, present, finite
 
 
+def fused_applies(buf: RankBuffers) -> bool:
+    """Whether ``fused=True`` takes the compiled path for this bucket: CPU, fp32/fp64, the
+    momentum stored in the work dtype."""
+    return kernels.supported(buf.momentum, buf.grad)
+
+
+def _copy_grads(buf: RankBuffers, grads: list[Optional[Tensor]], present: list[bool]) -> None:
+    """``buf.grad`` ← the gradients (0 where None), cast to the work dtype."""
+    dst = [v for v, ok in zip(buf.grad_views, present) if ok]
+    torch._foreach_copy_(dst, [g for g in grads if g is not None])  # casts bf16/fp16 gradients to fp32
+    if not all(present):
+        for j, ok in enumerate(present):
+            if not ok:
+                buf.grad_views[j].zero_()
+
+
 def _borrowable(b: Bucket, grads: list[Optional[Tensor]]) -> bool:
     return b.numel >= 256 * len(grads) and all(g is None or g.dtype == b.dtype for g in grads)
 
@@ -217,12 +244,17 @@ def _scaled_grads(b: Bucket, grads: list[Optional[Tensor]], factor: float, out: 
             torch.mul(g, factor, out=dst.view(g.shape))
 
 
-def update_momentum(b: Bucket, buf: RankBuffers, present: list[bool], beta2: float, scratch: Scratch) -> None:
+def update_momentum(b: Bucket, buf: RankBuffers, present: list[bool], beta2: float, scratch: Scratch, *,
+                    fused: bool = False) -> None:
     """m ← β2·m + (1 − β2)·g on the coordinates of parameters this rank had gradients for, g as the
     last :func:`contribute` read it (borrowed or copied). A momentum stored narrower than the work
     dtype is updated in the work dtype (in ``buf.work``, free once Δ is applied) and rounded once,
-    to nearest, on the way back."""
+    to nearest, on the way back. ``fused=True``: one compiled loop per span (the same roundings)."""
     spans = [(0, b.numel)] if all(present) else b.ranges(present)
+    if fused and buf.borrowed is None and fused_applies(buf):
+        for lo, hi in spans:
+            kernels.momentum_update_(buf.momentum[lo:hi], buf.grad[lo:hi], beta2, 1.0 - beta2)
+        return
     narrow = buf.momentum.dtype != buf.work.dtype
     scaled = scratch.get(buf.work)
     if buf.borrowed is not None:
@@ -305,5 +337,5 @@ def _all_finite(c: Tensor) -> bool:
     return bool(torch.isfinite(torch.stack(torch.aminmax(c.reshape(-1)))).all()) if c.numel() else True
 
 
-__all__ += ["RankBuffers", "Scratch", "contribute", "update_momentum", "scale_codes", "apply_scaled_delta",
+__all__ += ["RankBuffers", "Scratch", "contribute", "fused_applies", "update_momentum", "scale_codes", "apply_scaled_delta",
             "apply_codes", "Contribution"]

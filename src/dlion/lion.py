@@ -18,6 +18,11 @@ half a unit in the last place of a bf16 value is therefore lost, exactly as it
 would be for any optimizer writing bf16 weights; keep fp32 master weights
 (e.g. train in fp32 under ``torch.autocast``) when that matters.
 
+Fused (``fused=True``, CPU): fp32/fp64 parameters whose momentum has their dtype
+take the whole rule in one compiled loop per tensor (:mod:`dlion.kernels`), the
+same roundings in the same order, instead of about ten passes over memory; other
+parameters (bf16/fp16, a narrower ``momentum_dtype``) keep the multi-tensor path.
+
 Momentum storage: ``momentum_dtype=torch.bfloat16`` stores the momentum (Lion's
 only state tensor) in bf16 — half the optimizer memory of fp32 state. Only the
 storage narrows: each step widens m to the work dtype (fp32 for bf16/fp16/fp32
@@ -31,6 +36,8 @@ from typing import Callable, Iterable, Optional
 
 import torch
 from torch import Tensor
+
+from . import kernels
 
 __all__ = ["Lion", "lion_presign", "lion_momentum_update", "apply_update", "check_hyperparameters",
            "check_momentum_dtype", "param_tensors"]
@@ -133,8 +140,9 @@ def apply_update(params: list[Tensor], updates: list[Tensor], lr: float, weight_
 class Lion(torch.optim.Optimizer):
     """Lion, exactly the four-line rule above. ``foreach=None`` picks the
     multi-tensor path when all parameters are on CUDA or CPU (both paths give
-    identical results). ``momentum_dtype`` narrows the momentum's storage (see
-    the module docstring)."""
+    identical results). ``fused=True`` (CPU parameters only) runs the rule as one
+    compiled loop per tensor, with the same results (module docstring).
+    ``momentum_dtype`` narrows the momentum's storage (see the module docstring)."""
 
     def __init__(
         self,
@@ -146,11 +154,13 @@ class Lion(torch.optim.Optimizer):
         maximize: bool = False,
         foreach: Optional[bool] = None,
         momentum_dtype: Optional[torch.dtype] = None,
+        fused: bool = False,
     ):
         check_hyperparameters(lr, betas, weight_decay)
         check_momentum_dtype(momentum_dtype)
         self.momentum_dtype = momentum_dtype
-        defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize, foreach=foreach)
+        defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize, foreach=foreach,
+                        fused=bool(fused))
         params = list(params)
         check_params(param_tensors(params))  # before torch.optim's own (warning-only) duplicate check
         super().__init__(params, defaults)
@@ -160,6 +170,8 @@ class Lion(torch.optim.Optimizer):
         g = self.param_groups[-1]
         check_hyperparameters(g["lr"], g["betas"], g["weight_decay"])
         check_params([p for grp in self.param_groups for p in grp["params"]])
+        if g.get("fused"):
+            check_fusable(g["params"])
 
     def _momentum_dtype(self, p: Tensor) -> torch.dtype:
         return getattr(self, "momentum_dtype", None) or _state_dtype(p)
@@ -217,6 +229,10 @@ class Lion(torch.optim.Optimizer):
             if not ps:
                 continue
             beta1, beta2 = group["betas"]
+            if group.get("fused"):
+                ps, gs, ms = self._fused_step(group, ps, gs, ms)
+                if not ps:
+                    continue
             foreach = _use_foreach(group["foreach"], ps)
             wide = [m if m.dtype == g.dtype else m.to(g.dtype) for m, g in zip(ms, gs)]  # (momentum_dtype)
             c = lion_presign(wide, gs, beta1, foreach=foreach)
@@ -229,6 +245,30 @@ class Lion(torch.optim.Optimizer):
             for p in ps:
                 self.state[p]["step"] += 1
         return loss
+
+    def _fused_step(self, group: dict, ps: list, gs: list, ms: list) -> tuple[list, list, list]:
+        """The rule for the fusable parameters of ``group`` (gradients already negated for
+        ``maximize``); returns the others, for the multi-tensor path."""
+        check_fusable(ps)
+        beta1, beta2 = group["betas"]
+        rest: tuple[list, list, list] = ([], [], [])
+        for p, g, m in zip(ps, gs, ms):
+            if kernels.supported(p, g, m) and p.is_contiguous() and g.is_contiguous() and m.is_contiguous():
+                kernels.lion_update_(p.view(-1), m.view(-1), g.view(-1), group["lr"], group["weight_decay"],
+                                     beta1, beta2)
+                self.state[p]["step"] += 1
+            else:
+                for lst, x in zip(rest, (p, g, m)):
+                    lst.append(x)
+        return rest
+
+
+def check_fusable(params: list[Tensor]) -> None:
+    """``fused=True`` runs on CPU parameters only: raise a clear error for others."""
+    for i, p in enumerate(params):
+        if p.device.type != "cpu":
+            raise ValueError(f"fused=True runs on CPU parameters only; parameter {i} (shape {tuple(p.shape)}) is "
+                             f"on {p.device}. On GPUs the elementwise passes are cheap: use fused=False there.")
 
 
 def param_tensors(params: list) -> list:

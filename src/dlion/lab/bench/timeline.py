@@ -235,6 +235,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--n-embd", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--fused", action="store_true", help="every optimizer's fused CPU kernel (as dlion bench e2e --fused)")
     ap.add_argument("--bucket-mb", type=float, default=6.0)
     ap.add_argument("--out", default=os.path.join("runs", "bench-timeline"))
     ap.add_argument("--replot", default=None, metavar="JSON", help="print and redraw a stored timeline.json")
@@ -259,7 +260,7 @@ def main(argv: list[str]) -> int:
            "block_size": args.block_size, "batch_size": args.batch_size, "steps": args.steps,
            "warmup": args.warmup, "bucket_mb": args.bucket_mb, "quant_bits": 8, "lr": 1e-4, "weight_decay": 0.1,
            "seed": 0, "synthetic": False, "ties": "zero", "timeout": 900, "sequential": True, "methods": methods,
-           "nodes": None, "per_node": None, "profile_steps": args.profile_steps}
+           "nodes": None, "per_node": None, "profile_steps": args.profile_steps, "fused": args.fused}
     cmd = [sys.executable, "-m", "dlion", "bench", "timeline", "--worker", json.dumps(cfg)]
     from dlion.lab.cluster import exit_code
 

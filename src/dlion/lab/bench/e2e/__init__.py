@@ -112,6 +112,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="D-Lion tie rule (default zero; random makes MaVo's way back 1 bit for even N)")
     ap.add_argument("--sequential", action="store_true",
                     help="run the methods one after another (less memory) instead of taking turns step by step")
+    ap.add_argument("--fused", action="store_true",
+                    help="every optimizer's fused CPU kernel: dlion's fused=True (compute, G-Lion, D-Lion) and "
+                         "torch.optim.AdamW(fused=True) (G-AdamW and its PowerSGD runs)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--replot", default=None, metavar="JSON",
                     help="redraw e2e_step_time.png in --out from an earlier e2e_results.json, without running")
@@ -164,7 +167,7 @@ def main(argv: list[str]) -> int:
            "quant_bits": args.quant_bits, "lr": args.lr,
            "weight_decay": args.weight_decay, "seed": args.seed, "synthetic": args.synthetic,
            "ties": args.ties, "timeout": args.timeout, "sequential": args.sequential, "methods": methods,
-           "nodes": args.nodes, "per_node": args.per_node}
+           "nodes": args.nodes, "per_node": args.per_node, "fused": args.fused}
     if args.loopback:
         links = [("loopback", None)]
     else:

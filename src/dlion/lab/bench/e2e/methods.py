@@ -153,6 +153,7 @@ class MethodRun:
         self.model = model = _build_model(cfg, vocab_size)
         self.params = sum(p.numel() for p in model.parameters())
         lr, betas, wd = cfg["lr"], (0.9, 0.99), cfg["weight_decay"]
+        fused = bool(cfg.get("fused"))  # each optimizer's fused CPU kernel (--fused)
         self.tally = {"buckets": 0, "bucket_bytes": 0}
         self.is_ddp = method in BASELINES
         if self.is_ddp:
@@ -188,9 +189,10 @@ class MethodRun:
 
                 self.opt = ApplyDelta(model.parameters(), lr=lr, weight_decay=wd)
             elif method.startswith("g-adamw"):
-                self.opt = torch.optim.AdamW(model.parameters(), lr=10 * lr, weight_decay=wd / 10)
+                self.opt = torch.optim.AdamW(model.parameters(), lr=10 * lr, weight_decay=wd / 10,
+                                             **({"fused": True} if fused else {}))
             else:
-                self.opt = dlion.Lion(model.parameters(), lr=lr, betas=betas, weight_decay=wd)
+                self.opt = dlion.Lion(model.parameters(), lr=lr, betas=betas, weight_decay=wd, fused=fused)
         elif method in HIER:
             _, vote, comm = method.split("-")
             if not cfg.get("per_node"):
@@ -210,7 +212,7 @@ class MethodRun:
                 comm="1bit" if quant else comm, aggregate="quantized" if quant else "sign",
                 quant_bits=cfg["quant_bits"], overlap="ov" in rest,
                 bucket_cap_mb=POWERSGD_BUCKET_MB if "1b" in rest else cfg["bucket_mb"],
-                momentum_dtype=torch.bfloat16 if "m16" in rest else None)
+                momentum_dtype=torch.bfloat16 if "m16" in rest else None, fused=fused)
             self.opt.check_replicas()
         self.step_s: list[float] = []
         self.fwd_bwd_s: list[float] = []
