@@ -622,7 +622,7 @@ def skip_worker(rank, world, configs):
             def build():
                 return dlion.DistributedLion(params, lr=LR, betas=BETAS, weight_decay=WD, vote=cfg["vote"],
                                              ties=cfg.get("ties", "zero"), comm=cfg.get("comm", "1bit"),
-                                             overlap=cfg.get("overlap", False),
+                                             overlap=cfg.get("overlap", False), fused=cfg.get("fused", False),
                                              bucket_cap_mb=cfg.get("bucket_cap_mb", 25.0))
             opt = build()
             per_step, calls = [], []
@@ -727,7 +727,10 @@ def test_abstentions_on_whole_parameters_keep_the_1bit_path(world):
 PIPELINE_CONFIGS = [dict(vote="mavo", overlap=True, bucket_cap_mb=40 * 4 / 2**20),
                     dict(vote="mavo", ties="random", overlap=True, bucket_cap_mb=40 * 4 / 2**20),
                     dict(vote="avg", schedule="dead", overlap=True, bucket_cap_mb=40 * 4 / 2**20),
-                    dict(vote="mavo", schedule="partial", overlap=True, bucket_cap_mb=40 * 4 / 2**20)]
+                    dict(vote="mavo", schedule="partial", overlap=True, bucket_cap_mb=40 * 4 / 2**20),
+                    # fused local math from the gradient hooks, abstentions, and a resume from the state_dict
+                    dict(vote="mavo", ties="random", schedule="partial", overlap=True, fused=True, resume_at=3,
+                         bucket_cap_mb=40 * 4 / 2**20)]
 
 
 @pytest.mark.parametrize("world", [3, 4])

@@ -59,10 +59,19 @@ def _lion_update(p: Tensor, m: Tensor, g: Tensor, decay: Tensor, lr: Tensor, b1:
     m.copy_(m * b2 + g * omb2)
 
 
+def _exact_options() -> dict:
+    """Inductor's defaults already keep every rounding; pin them against environment overrides
+    (``TORCHINDUCTOR_CPP_ENABLE_FLOATING_POINT_CONTRACT_FLAG`` and the like)."""
+    from torch._inductor import config
+
+    wanted = {"enable_floating_point_contract_flag": "off", "enable_unsafe_math_opt_flag": False}
+    return {f"cpp.{k}": v for k, v in wanted.items() if hasattr(config.cpp, k)}
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(name: str):
     fn = {"sign": _sign_contribution, "momentum": _momentum_update, "lion": _lion_update}[name]
-    return torch.compile(fn, dynamic=True, fullgraph=True)
+    return torch.compile(fn, dynamic=True, fullgraph=True, options=_exact_options())
 
 
 def sign_contribution(m: Tensor, g: Tensor, beta1: float, scale: float, out: Tensor) -> bool:

@@ -52,11 +52,11 @@ def timeit(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def run(n: int, world: int, vote: str, comm: str, repeat: int, device: str) -> dict:
+def run(n: int, world: int, vote: str, comm: str, repeat: int, device: str, fused: bool = False) -> dict:
     g = torch.Generator().manual_seed(0)
     p = torch.randn(n, generator=g).to(device).requires_grad_()
     p.grad = torch.randn(n, generator=g).to(device)
-    opt = Lion([p], lr=1e-4, weight_decay=0.1)
+    opt = Lion([p], lr=1e-4, weight_decay=0.1, fused=fused)
     opt.step()  # allocate the momentum
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
@@ -75,7 +75,8 @@ def run(n: int, world: int, vote: str, comm: str, repeat: int, device: str) -> d
     states = [WireState(up="narrow" if comm == "pbit" else "runs") for _ in range(world)]
     contribs = []
     for r in range(world):
-        values, present, _ = contribute(b, bufs[r], [grads[r]], scratch, beta1=0.9, maximize=False, borrow=True)
+        values, present, _ = contribute(b, bufs[r], [grads[r]], scratch, beta1=0.9, maximize=False, borrow=True,
+                                        fused=fused)
         contribs.append(Contribution(values.clone(), b.numel, torch.tensor(present)))
     inside = [0.0]
 
@@ -110,16 +111,16 @@ def run(n: int, world: int, vote: str, comm: str, repeat: int, device: str) -> d
     def apply():
         apply_codes(b, outcome.codes, [True], bufs[0].work, bufs[0].work_views, 1e-4, 0.1,
                     world if vote == "avg" else 1)
-        update_momentum(b, bufs[0], [True], 0.99, scratch)
+        update_momentum(b, bufs[0], [True], 0.99, scratch, fused=fused)
 
     t = {
         "lion step": timed(opt.step),
         "contribute": timed(lambda: contribute(b, bufs[0], [grads[0]], scratch, beta1=0.9, maximize=False,
-                                                  borrow=True)),
+                                                  borrow=True, fused=fused)),
         "exchange": exchange_s,
         "apply": timed(apply),
     }
-    return {"params": n, "workers": world, "vote": vote, "comm": comm, "device": device,
+    return {"params": n, "workers": world, "vote": vote, "comm": comm, "device": device, "fused": fused,
             "seconds": t, "ns_per_param": {k: v / n * 1e9 for k, v in t.items()}}
 
 
@@ -133,15 +134,18 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: one rank per core)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--fused", action="store_true", help="Lion and D-Lion's local math with fused=True (CPU)")
     ap.add_argument("--json", default=None, help="also write the figures to this JSON file")
     args = ap.parse_args(argv)
     if args.workers < 1:
         ap.error("--workers must be >= 1")
     torch.set_num_threads(args.threads)
-    r = run(padded_length(args.params, args.workers), args.workers, args.vote, args.comm, args.repeat, args.device)
+    r = run(padded_length(args.params, args.workers), args.workers, args.vote, args.comm, args.repeat, args.device,
+            args.fused)
     ns = r["ns_per_param"]
     print(f"dlion bench codec: {r['params']:,} parameters, N={args.workers}, vote={args.vote}, comm={args.comm}, "
-          f"device={args.device}, {args.threads} thread(s), median of {args.repeat}")
+          f"device={args.device}, {args.threads} thread(s), median of {args.repeat}"
+          + (", fused kernels" if args.fused else ""))
     print(f"{'stage':<12} {'ms':>9} {'ns/param':>9}")
     for k, v in r["seconds"].items():
         print(f"{k:<12} {v * 1e3:>9.2f} {ns[k]:>9.3f}")
