@@ -61,3 +61,19 @@ def test_supported_only_for_cpu_fp32_fp64_of_one_dtype():
     assert not kernels.supported(f.bfloat16(), f.bfloat16())
     assert not kernels.supported(f, f.double())
     assert not kernels.supported(torch.zeros(3, device="meta"))
+
+
+def test_a_failed_compilation_names_the_option_and_the_way_out(monkeypatch):
+    def broken(fn, **kw):
+        def raise_(*a):
+            raise OSError("no C++ compiler")
+        return raise_
+
+    monkeypatch.setattr(torch, "compile", broken)
+    kernels._compiled.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="fused=False") as info:
+            kernels.momentum_update_(torch.zeros(3), torch.ones(3), 0.9, 0.1)
+        assert isinstance(info.value.__cause__, OSError)
+    finally:
+        kernels._compiled.cache_clear()

@@ -71,7 +71,23 @@ def _exact_options() -> dict:
 @functools.lru_cache(maxsize=None)
 def _compiled(name: str):
     fn = {"sign": _sign_contribution, "momentum": _momentum_update, "lion": _lion_update}[name]
-    return torch.compile(fn, dynamic=True, fullgraph=True, options=_exact_options())
+    compiled = torch.compile(fn, dynamic=True, fullgraph=True, options=_exact_options())
+    first = [True]
+
+    def call(*args):
+        if not first[0]:
+            return compiled(*args)
+        try:  # the first call compiles: say what failed, and what to do, in terms of the option
+            out = compiled(*args)
+        except Exception as e:
+            raise RuntimeError(
+                f"fused=True: compiling the fused kernel '{name}' with torch.compile failed ({type(e).__name__}). "
+                "It needs a working C++ compiler (e.g. g++) and TorchInductor; install one, or use fused=False "
+                "(the same results, more passes over memory).") from e
+        first[0] = False
+        return out
+
+    return call
 
 
 def sign_contribution(m: Tensor, g: Tensor, beta1: float, scale: float, out: Tensor) -> bool:
