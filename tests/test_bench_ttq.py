@@ -118,3 +118,55 @@ def test_time_to_target_uses_the_mean_step_time_where_the_e2e_result_has_it(tmp_
     path.write_text(json.dumps(doc))
     assert ttq._step_times(str(path), cfg, 4) == ({"g-lion": {"50mbit": 100.0}, "d-mavo-1bit-ov": {"50mbit": 50.0}},
                                                   "median")
+
+
+def _seed_doc(seed, rows, target=2.1, lr=2e-4):
+    """A composed ttq result: rows = {method: (steps or None, final loss, {link: seconds})}."""
+    return {"benchmark": "dlion bench ttq", "workers": 4, "step_times_ms": {"x": {"1gbit": 1.0}},
+            "config": {"seed": seed, "n_layer": 6, "n_embd": 256, "n_head": 4, "block_size": 64, "batch_size": 4,
+                       "bucket_mb": 6.0, "lr": lr, "weight_decay": 0.1, "ties": "zero", "quant_bits": 8,
+                       "steps": 1000, "warmup_frac": 0.05},
+            "composed": {"target_loss": target, "methods": {
+                m: {"steps_to_target": s, "final_loss": f, "best_loss": f,
+                    "time_to_target_s": {k: (None if s is None else t) for k, t in times.items()}}
+                for m, (s, f, times) in rows.items()}}}
+
+
+def test_across_seeds_lists_every_seed_and_averages_only_those_that_reached_the_target(tmp_path, capsys):
+    from dlion.lab.bench import ttq_seeds
+
+    a = _seed_doc(0, {"g-lion": (500, 1.9, {"50mbit": 100.0, "1gbit": 10.0}),
+                      "d-mavo-1bit-ov": (600, 2.0, {"50mbit": 30.0, "1gbit": 12.0})})
+    b = _seed_doc(1, {"g-lion": (None, 2.2, {"50mbit": 0.0, "1gbit": 0.0}),
+                      "d-mavo-1bit-ov": (700, 2.05, {"50mbit": 36.0, "1gbit": 14.0})})
+    c = _seed_doc(2, {"g-lion": (400, 1.8, {"50mbit": 80.0, "1gbit": 8.0})})  # D-Lion not run with seed 2
+    s = ttq_seeds.summarize([a, b, c])
+    assert s["seeds"] == [0, 1, 2] and s["links"] == ["50mbit", "1gbit"]
+    g, d = s["methods"]["g-lion"], s["methods"]["d-mavo-1bit-ov"]
+    assert g["steps_to_target"] == [500, None, 400] and g["seeds_reaching_target"] == 2
+    assert g["time_to_target_s"]["50mbit"] == [100.0, None, 80.0]
+    assert g["mean_time_to_target_s"] == {"50mbit": 90.0, "1gbit": 9.0}
+    assert d["run"] == [True, True, False] and d["mean_time_to_target_s"] == {"50mbit": 33.0, "1gbit": 13.0}
+    assert s["first"] == {"50mbit": ["d-mavo-1bit-ov", "d-mavo-1bit-ov", "g-lion"],
+                          "1gbit": ["g-lion", "d-mavo-1bit-ov", "g-lion"]}
+    paths = []
+    for i, doc in enumerate((a, b, c)):
+        paths.append(str(tmp_path / f"s{i}.json"))
+        with open(paths[-1], "w") as f:
+            json.dump(doc, f)
+    assert ttq.main(["--across", *paths, "--out", str(tmp_path / "out")]) == 0
+    text = capsys.readouterr().out
+    assert "steps to L 500 / never / 400; reached in 2 of 3" in text
+    assert "first at 50mbit: D-Lion MaVo 1bit +overlap in 2 of 3, G-Lion (DDP fp32) in 1 of 3" in text
+    assert (tmp_path / "out" / "ttq_seeds.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(lr=1e-3), "lr"), (dict(target=2.0), "targets differ"), (dict(seed=0), "seeds repeat")])
+def test_across_seeds_refuses_runs_that_are_not_one_experiment(change, message):
+    from dlion.lab.bench import ttq_seeds
+
+    rows = {"g-lion": (500, 1.9, {"1gbit": 10.0})}
+    other = _seed_doc(change.pop("seed", 1), rows, **change)
+    with pytest.raises(ValueError, match=message):
+        ttq_seeds.summarize([_seed_doc(0, rows), other])

@@ -24,7 +24,8 @@
 
 Output in ``--out``: ``ttq_results.json`` (every curve, steps- and time-to-L, speedups),
 ``ttq_table.txt`` and ``ttq_loss_vs_time.png`` (validation loss against wall clock, one
-panel per link rate).
+panel per link rate). ``--across F1 F2 …`` puts the composed results of several seeds side
+by side instead (:mod:`dlion.lab.bench.ttq_seeds`).
 """
 
 from __future__ import annotations
@@ -293,6 +294,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--extend", default=None,
                     help="train only the --methods missing from this earlier ttq_results.json, with its workload, "
                          "and merge the curves")
+    ap.add_argument("--across", nargs="+", default=None, metavar="TTQ_RESULTS",
+                    help="summarize composed results of several seeds (same workload, --target and --step-times): "
+                         "time to L per seed, means, who is first (writes ttq_seeds.* to --out; no training)")
     ap.add_argument("--check-link", default=None, help="also train --check-methods end to end at this rate")
     ap.add_argument("--check-methods", default="d-mavo-1bit-ov,g-lion-powersgd2")
     ap.add_argument("--check-steps", type=int, default=100)
@@ -329,6 +333,10 @@ def main(argv: list[str]) -> int:
 
         cfg = json.loads(args.worker)
         return env_worker(train_rank, cfg, timeout_s=cfg["timeout"])
+    if args.across:
+        from .ttq_seeds import run
+
+        return run(args.across, args.out)
     from .e2e.methods import parse_methods
 
     try:

@@ -1,0 +1,165 @@
+"""``dlion bench ttq --across F1 F2 …``: time to quality over several seeds.
+
+One seed's ranking can be an accident of that seed. This reads the composed results
+(``ttq_results.json``) of runs that differ only in ``--seed`` — the same workload, target
+L and step-time file, which it checks — and reports per method: steps to L and time to L
+at each link rate for every seed ("never" where L was not reached), the mean time over
+the seeds that reached L, and per rate which method was first in each seed.
+
+Output in ``--out``: ``ttq_seeds.json``, ``ttq_seeds.txt`` and ``ttq_seeds.png`` (per link
+rate, each seed's time to L per method; "never" at the right edge).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from typing import Optional
+
+#: what the runs must share (besides the seed) to be compared
+SHARED = ("n_layer", "n_embd", "n_head", "block_size", "batch_size", "bucket_mb", "lr", "weight_decay", "ties",
+          "quant_bits", "steps", "warmup_frac")
+
+
+def _rate_key(link: str) -> float:
+    from .ttq import _rate_key as key
+
+    return key(link)
+
+
+def summarize(docs: list[dict]) -> dict:
+    """The per-seed figures of ``docs`` (composed ttq results) side by side; raises
+    ``ValueError`` when they are not runs of one workload, target and step-time file."""
+    if len(docs) < 2:
+        raise ValueError("give at least two ttq_results.json files (one per seed)")
+    ref = docs[0]
+    for d in docs[1:]:
+        diff = [k for k in SHARED if d["config"].get(k) != ref["config"].get(k)]
+        if diff:
+            raise ValueError(f"seed {d['config'].get('seed')} differs from seed {ref['config'].get('seed')} in "
+                             + ", ".join(f"{k} ({d['config'].get(k)!r} vs {ref['config'].get(k)!r})" for k in diff))
+        if d["composed"]["target_loss"] != ref["composed"]["target_loss"]:
+            raise ValueError(f"targets differ: {d['composed']['target_loss']} vs {ref['composed']['target_loss']} "
+                             "(re-compose every seed with the same --target)")
+        if d.get("step_times_ms") != ref.get("step_times_ms"):
+            raise ValueError("the runs were composed with different step times (use one --step-times file)")
+    seeds = [d["config"].get("seed") for d in docs]
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds repeat: {seeds}")
+    methods = list(dict.fromkeys(m for d in docs for m in d["composed"]["methods"]))
+    links = sorted({k for d in docs for r in d["composed"]["methods"].values() for k in r["time_to_target_s"]},
+                   key=_rate_key)
+    out = {"target_loss": ref["composed"]["target_loss"], "seeds": seeds, "links": links, "methods": {},
+           "first": {}}
+    for m in methods:
+        rows = [d["composed"]["methods"].get(m) for d in docs]
+        times = {k: [None if r is None or r["steps_to_target"] is None else r["time_to_target_s"].get(k)
+                     for r in rows] for k in links}
+        reached = {k: [t for t in ts if t is not None] for k, ts in times.items()}
+        out["methods"][m] = {
+            "steps_to_target": [None if r is None else r["steps_to_target"] for r in rows],
+            "final_loss": [None if r is None else r["final_loss"] for r in rows],
+            "run": [r is not None for r in rows],
+            "time_to_target_s": times,
+            "mean_time_to_target_s": {k: (statistics.mean(v) if v else None) for k, v in reached.items()},
+            "seeds_reaching_target": sum(1 for r in rows if r is not None and r["steps_to_target"] is not None),
+        }
+    for k in links:
+        firsts: list[Optional[str]] = []
+        for i in range(len(docs)):
+            t = {m: r["time_to_target_s"][k][i] for m, r in out["methods"].items()
+                 if r["time_to_target_s"][k][i] is not None}
+            firsts.append(min(t, key=t.get) if t else None)
+        out["first"][k] = firsts
+    return out
+
+
+def table(s: dict) -> str:
+    from .e2e.methods import label
+
+    seeds = "/".join(str(x) for x in s["seeds"])
+    lines = [f"target L = {s['target_loss']:.4f} nats/char; seeds {seeds}; "
+             "time to L per seed, and the mean over the seeds that reached L"]
+    for m, r in s["methods"].items():
+        steps = " / ".join("-" if not run else ("never" if st is None else str(st))
+                           for st, run in zip(r["steps_to_target"], r["run"]))
+        lines.append(f"{label(m)}: steps to L {steps}; reached in {r['seeds_reaching_target']} of {len(s['seeds'])}")
+        for k in s["links"]:
+            per = " / ".join("never" if t is None else f"{t:.0f} s" for t in r["time_to_target_s"][k])
+            mean = r["mean_time_to_target_s"][k]
+            lines.append(f"    {k:>8}: {per}" + ("" if mean is None else f"  (mean {mean:.0f} s)"))
+    for k in s["links"]:
+        firsts = s["first"][k]
+        counts = {m: firsts.count(m) for m in dict.fromkeys(f for f in firsts if f)}
+        lines.append(f"first at {k}: " + ", ".join(f"{label(m)} in {c} of {len(firsts)}" for m, c in counts.items()))
+    return "\n".join(lines)
+
+
+def plot(s: dict, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    from .e2e.methods import label
+
+    methods = list(s["methods"])
+    fig, axes = plt.subplots(1, len(s["links"]), figsize=(5.2 * len(s["links"]), 0.5 * len(methods) + 1.8),
+                             sharey=True, squeeze=False)
+    for ax, k in zip(axes[0], s["links"]):
+        reached = [t for r in s["methods"].values() for t in r["time_to_target_s"][k] if t is not None]
+        edge = max(reached) * 1.25 if reached else 1.0
+        for y, m in enumerate(methods):
+            ts = s["methods"][m]["time_to_target_s"][k]
+            ax.scatter([t for t in ts if t is not None], [y] * sum(t is not None for t in ts), s=28, zorder=3)
+            never = sum(1 for t, run in zip(ts, s["methods"][m]["run"]) if t is None and run)
+            if never:
+                ax.scatter([edge], [y], marker="x", color="k", zorder=3)
+                ax.annotate(f"never ×{never}", (edge, y), textcoords="offset points", xytext=(-6, 6), fontsize=8,
+                            ha="right")
+            mean = s["methods"][m]["mean_time_to_target_s"][k]
+            if mean is not None:
+                ax.plot([mean, mean], [y - 0.3, y + 0.3], color="k", lw=1.5)
+        ax.set_title(f"{k}: time to L = {s['target_loss']:.2f}")
+        ax.set_xlabel("seconds (dots: seeds; bar: mean of those reaching L)")
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(_tick))
+        ax.xaxis.set_minor_formatter(FuncFormatter(_tick))
+        ax.grid(alpha=0.3)
+    axes[0][0].set_yticks(range(len(methods)), [label(m) for m in methods], fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _tick(v: float, _pos) -> str:
+    """Label 1, 2 and 5 times a power of ten only (a log axis spanning less than a decade has few
+    major ticks, and every minor label would overlap)."""
+    lead = f"{v:.0e}"[0]
+    return f"{v:g}" if lead in "125" else ""
+
+
+def run(paths: list[str], out: str) -> int:
+    docs = []
+    for p in paths:
+        with open(p) as f:
+            docs.append(json.load(f))
+    try:
+        s = summarize(docs)
+    except ValueError as e:
+        raise SystemExit(f"dlion bench ttq --across: {e}")
+    s["from"] = [os.path.relpath(p) for p in paths]
+    text = table(s)
+    print(text)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "ttq_seeds.json"), "w") as f:
+        json.dump(s, f, indent=1)
+    with open(os.path.join(out, "ttq_seeds.txt"), "w") as f:
+        f.write(text + "\n")
+    plot(s, os.path.join(out, "ttq_seeds.png"),
+         f"dlion bench ttq: {len(docs)} seeds, {docs[0]['workers']} ranks, {docs[0]['config']['steps']} steps")
+    print(f"wrote {os.path.join(out, 'ttq_seeds.json')}, ttq_seeds.txt, ttq_seeds.png")
+    return 0
