@@ -284,6 +284,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--bucket-mb", type=float, default=1.0)
     ap.add_argument("--lr", type=float, default=1e-3, help="Lion lr (AdamW gets 10x, its wd /10)")
     ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.99), metavar=("BETA1", "BETA2"),
+                    help="Lion's and D-Lion's betas (default 0.9 0.99; AdamW keeps its own defaults)")
     ap.add_argument("--ties", default="zero", choices=("zero", "random"))
     ap.add_argument("--quant-bits", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
@@ -347,7 +349,8 @@ def main(argv: list[str]) -> int:
         methods = ["g-lion"] + methods  # the reference that defines L
     cfg = {"n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head, "block_size": args.block_size,
            "batch_size": args.batch_size, "bucket_mb": args.bucket_mb, "lr": args.lr,
-           "weight_decay": args.weight_decay, "ties": args.ties, "quant_bits": args.quant_bits, "seed": args.seed,
+           "weight_decay": args.weight_decay, "betas": list(args.betas), "ties": args.ties,
+           "quant_bits": args.quant_bits, "seed": args.seed,
            "steps": args.steps, "eval_every": args.eval_every, "eval_batches": args.eval_batches,
            "warmup_frac": args.warmup_frac, "methods": methods, "timeout": args.timeout, "synthetic": False,
            "sequential": True, "warmup": 0, "per_node": args.per_node,

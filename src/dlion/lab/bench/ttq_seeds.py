@@ -18,8 +18,16 @@ import statistics
 from typing import Optional
 
 #: what the runs must share (besides the seed) to be compared
-SHARED = ("n_layer", "n_embd", "n_head", "block_size", "batch_size", "bucket_mb", "lr", "weight_decay", "ties",
-          "quant_bits", "steps", "warmup_frac")
+SHARED = ("n_layer", "n_embd", "n_head", "block_size", "batch_size", "bucket_mb", "lr", "weight_decay", "betas",
+          "ties", "quant_bits", "steps", "warmup_frac")
+
+
+#: settings that results written before they were recorded had at these values
+_BEFORE_RECORDED = {"betas": [0.9, 0.99]}
+
+
+def _setting(doc: dict, key: str):
+    return doc["config"].get(key, _BEFORE_RECORDED.get(key))
 
 
 def _rate_key(link: str) -> float:
@@ -35,10 +43,10 @@ def summarize(docs: list[dict]) -> dict:
         raise ValueError("give at least two ttq_results.json files (one per seed)")
     ref = docs[0]
     for d in docs[1:]:
-        diff = [k for k in SHARED if d["config"].get(k) != ref["config"].get(k)]
+        diff = [k for k in SHARED if _setting(d, k) != _setting(ref, k)]
         if diff:
             raise ValueError(f"seed {d['config'].get('seed')} differs from seed {ref['config'].get('seed')} in "
-                             + ", ".join(f"{k} ({d['config'].get(k)!r} vs {ref['config'].get(k)!r})" for k in diff))
+                             + ", ".join(f"{k} ({_setting(d, k)!r} vs {_setting(ref, k)!r})" for k in diff))
         if d["composed"]["target_loss"] != ref["composed"]["target_loss"]:
             raise ValueError(f"targets differ: {d['composed']['target_loss']} vs {ref['composed']['target_loss']} "
                              "(re-compose every seed with the same --target)")

@@ -152,7 +152,7 @@ class MethodRun:
         self.method, self.rank, self.inst = method, rank, inst
         self.model = model = _build_model(cfg, vocab_size)
         self.params = sum(p.numel() for p in model.parameters())
-        lr, betas, wd = cfg["lr"], (0.9, 0.99), cfg["weight_decay"]
+        lr, betas, wd = cfg["lr"], tuple(cfg.get("betas", (0.9, 0.99))), cfg["weight_decay"]
         fused = bool(cfg.get("fused"))  # each optimizer's fused CPU kernel (--fused)
         self.tally = {"buckets": 0, "bucket_bytes": 0}
         self.is_ddp = method in BASELINES
