@@ -337,5 +337,5 @@ def _all_finite(c: Tensor) -> bool:
     return bool(torch.isfinite(torch.stack(torch.aminmax(c.reshape(-1)))).all()) if c.numel() else True
 
 
-__all__ += ["RankBuffers", "Scratch", "contribute", "fused_applies", "update_momentum", "scale_codes", "apply_scaled_delta",
-            "apply_codes", "Contribution"]
+__all__ += ["RankBuffers", "Scratch", "contribute", "fused_applies", "update_momentum", "scale_codes",
+            "apply_scaled_delta", "apply_codes", "Contribution"]

@@ -511,7 +511,8 @@ class DistributedLion(Lion):
                         self.world_size if self.rule.vote == "avg" else 1)
             self._steps[k].add_(o.has_grad.to(self._steps[k].dtype))
         if any(present):
-            update_momentum(b, self._buffers[k], present, group["betas"][1], self._scratch, fused=group.get("fused", False))
+            update_momentum(b, self._buffers[k], present, group["betas"][1], self._scratch,
+                            fused=group.get("fused", False))
 
     def _warn_if_gradients_identical(self) -> None:
         """After the first step: gradients bitwise equal on every rank mean that something
