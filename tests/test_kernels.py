@@ -77,3 +77,22 @@ def test_a_failed_compilation_names_the_option_and_the_way_out(monkeypatch):
         assert isinstance(info.value.__cause__, OSError)
     finally:
         kernels._compiled.cache_clear()
+
+
+def test_past_the_recompile_limit_the_kernels_still_give_the_eager_values():
+    """A process that meets many shapes and dtypes (or inherits compiled variants through fork)
+    exceeds dynamo's recompile limit; the call must then run the same ops eagerly, not fail."""
+    import torch._dynamo
+
+    kernels._compiled.cache_clear()
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(recompile_limit=1):
+            for dtype, n in [(torch.float32, 50), (torch.float64, 50), (torch.float32, 1), (torch.float64, 1)]:
+                m, g = torch.randn(n, dtype=dtype), torch.randn(n, dtype=dtype)
+                m2 = m.clone()
+                kernels.momentum_update_(m2, g, 0.99, 0.01)
+                assert same(m2, torch.mul(m, 0.99).add_(torch.mul(g, 0.01)))
+    finally:
+        kernels._compiled.cache_clear()
+        torch._dynamo.reset()
