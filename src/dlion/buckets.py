@@ -171,18 +171,27 @@ def contribute(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], scrat
         values.zero_()
         return values, present, True
     partial = not all(present)
-    sign = -1.0 if maximize else 1.0
+    out = values[:b.numel]
     if fused and quant is None and fused_applies(buf):
         _copy_grads(buf, grads, present)
-        out = values[:b.numel]
-        finite = kernels.sign_contribution(buf.momentum, buf.grad, beta1, sign * (1.0 - beta1), out)
         if maximize:
-            buf.grad.neg_()  # what update_momentum reads, as on the unfused path
-        if partial:
-            for j, ok in enumerate(present):
-                if not ok:
-                    out[b.offsets[j]:b.offsets[j] + b.sizes[j]].zero_()
-        return values, present, finite
+            buf.grad.neg_()  # exact; what update_momentum reads, as on the eager path
+        finite = kernels.sign_contribution(buf.momentum, buf.grad, beta1, 1.0 - beta1, out)
+    else:
+        finite = _eager_contribution(b, buf, grads, present, scratch, beta1, maximize, quant, borrow, out)
+    if partial:
+        for j, ok in enumerate(present):
+            if not ok:
+                out[b.offsets[j]:b.offsets[j] + b.sizes[j]].zero_()
+    return values, present, finite
+
+
+def _eager_contribution(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], present: list[bool],
+                        scratch: Scratch, beta1: float, maximize: bool, quant: Optional[tuple[int, str]],
+                        borrow: bool, out: Tensor) -> bool:
+    """:func:`contribute`'s c and its sign (or quantisation) into ``out`` as tensor operations;
+    whether every c is finite."""
+    sign = -1.0 if maximize else 1.0
     # c = β1·m + (1 − β1)·g, each product rounded on its own (the literal rule), without allocations
     if buf.momentum.dtype == buf.work.dtype:
         c = torch.mul(buf.momentum, beta1, out=buf.work)
@@ -199,7 +208,6 @@ def contribute(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], scrat
         torch.mul(buf.grad, 1.0 - beta1, out=scaled)
     c.add_(scaled)
     finite = _all_finite(c)
-    out = values[:b.numel]
     if quant is None:
         out.copy_(torch.sign(c, out=scaled))  # sign(0) = 0: an abstention
     else:
@@ -207,11 +215,7 @@ def contribute(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], scrat
         for j, (o, n) in enumerate(zip(b.offsets, b.sizes)):
             if present[j]:
                 out[o:o + n].copy_(quantize(c[o:o + n], levels, norm))
-    if partial:
-        for j, ok in enumerate(present):
-            if not ok:
-                out[b.offsets[j]:b.offsets[j] + b.sizes[j]].zero_()
-    return values, present, finite
+    return finite
 
 
 def fused_applies(buf: RankBuffers) -> bool:

@@ -17,6 +17,8 @@ import os
 import statistics
 from typing import Optional
 
+from .ttq import _rate_key
+
 #: what the runs must share (besides the seed) to be compared
 SHARED = ("n_layer", "n_embd", "n_head", "block_size", "batch_size", "bucket_mb", "lr", "weight_decay", "betas",
           "ties", "quant_bits", "steps", "warmup_frac")
@@ -28,12 +30,6 @@ _BEFORE_RECORDED = {"betas": [0.9, 0.99]}
 
 def _setting(doc: dict, key: str):
     return doc["config"].get(key, _BEFORE_RECORDED.get(key))
-
-
-def _rate_key(link: str) -> float:
-    from .ttq import _rate_key as key
-
-    return key(link)
 
 
 def summarize(docs: list[dict]) -> dict:
