@@ -203,9 +203,9 @@ def test_desync_check_names_the_first_diverging_parameter():
         assert "parameter 3 (shape (3, 3)) differs between rank 0 and rank 1 after step 4" in msg
 
 
-def nonfinite_worker(rank, world, policy, at=1):
+def nonfinite_worker(rank, world, policy, at=1, fused=False):
     params = [p.requires_grad_() for p in init_params(rank)]
-    opt = dlion.DistributedLion(params, lr=LR, nonfinite=policy)
+    opt = dlion.DistributedLion(params, lr=LR, nonfinite=policy, fused=fused)
     outcome = []
     for t in range(3):
         grads = grads_for(rank, t, True)
@@ -225,9 +225,11 @@ def nonfinite_worker(rank, world, policy, at=1):
     return outcome, opt.skipped_steps, [p.detach() for p in params]
 
 
-@pytest.mark.parametrize("at", [1, 0])  # in the fp64 bucket (gradients copied) or the fp32 one (read in place)
-def test_nonfinite_gradient_on_one_rank_skips_the_step_everywhere(at):
-    results = spawn(nonfinite_worker, 3, "skip", at)
+@pytest.mark.parametrize("at,fused", [(1, False), (0, False), (0, True), (1, True)])
+def test_nonfinite_gradient_on_one_rank_skips_the_step_everywhere(at, fused):
+    """NaN in the fp64 bucket (gradients copied) or the fp32 one (read in place), or either through
+    the fused kernel (which marks a non-finite c in its output)."""
+    results = spawn(nonfinite_worker, 3, "skip", at, fused)
     for outcome, skipped, params in results:
         assert outcome == ["ok", False, "ok", True, "ok", False]  # step 1 left parameters unchanged
         assert skipped == 1

@@ -7,6 +7,7 @@ than a torch multiply-and-sum there):
 * :class:`SignCodec`   values in {−1, +1}          1 bit per value, 8 per byte
 * :class:`TritCodec`   values in {−1, 0, +1}       1.6 bits per value, 5 per byte (3^5 = 243 ≤ 256)
 * :class:`FieldCodec`  integers in [lo, lo + 2^b)  b bits per value, as b bit planes
+                                                   (decoded as int16 where they fit, else int32)
 
 A codec encodes a 1-D tensor whose length is a multiple of ``codec.align`` into
 ``codec.nbytes(n)`` bytes; encoding a concatenation of aligned pieces gives the
@@ -127,7 +128,8 @@ class TritCodec:
         return lut
 
     def decode(self, packed: Tensor, n: int) -> Tensor:
-        return torch.index_select(self._lut(packed.device), 0, packed.long()).view(-1)[:n]
+        # int32 indices: half the index traffic of int64 and about twice as fast on the CPU
+        return torch.index_select(self._lut(packed.device), 0, packed.to(torch.int32)).view(-1)[:n]
 
 
 class FieldCodec:
@@ -142,6 +144,8 @@ class FieldCodec:
         self.width = width
         self.lo = lo
         self.bits = float(width)
+        #: dtype of decoded values: int16 where [lo, lo + 2^width) fits it (half the memory of int32)
+        self.dtype = torch.int16 if -2**15 <= lo and lo + 2**width <= 2**15 else torch.int32
 
     def nbytes(self, n: int) -> int:
         return self.width * n // 8
@@ -153,8 +157,9 @@ class FieldCodec:
         n = values.numel()
         if n % 8:
             raise ValueError(f"FieldCodec needs a length that is a multiple of 8, got {n}")
-        # One byte (or two) per value before splitting into planes: 4× less memory traffic than int32.
-        v = (values.to(torch.int32) - self.lo).to(self._small())
+        # One byte (or two) per value before splitting into planes: 4× less memory traffic than int32
+        # (the subtraction runs in int16 where every value and its offset from lo fit).
+        v = (values.to(self.dtype) - self.lo).to(self._small())
         planes = [pack_bits((v >> k) & 1 if k else v & 1) for k in range(self.width)]
         # Interleave per aligned group of 8 values so that concatenated chunks stay chunk-contiguous.
         return torch.stack(planes, dim=1).view(-1)
@@ -162,21 +167,23 @@ class FieldCodec:
     _luts: dict = {}
 
     def _lut(self, k: int, device) -> Tensor:
-        """Row b: the 8 bits of byte b, each shifted to plane k's weight 2^k."""
+        """Row b: the 8 bits of byte b, each shifted to plane k's weight 2^k, as the whole words
+        of those 8 small values (one int64 per row for uint8 values, two for int16)."""
         key = (k, self._small(), device)
         lut = self._luts.get(key)
         if lut is None:
             bits = (torch.arange(256).view(-1, 1) >> torch.arange(8)) & 1
-            lut = self._luts[key] = (bits << k).to(self._small()).to(device)
+            lut = self._luts[key] = (bits << k).to(self._small()).contiguous().view(torch.int64).to(device)
         return lut
 
     def decode(self, packed: Tensor, n: int) -> Tensor:
         planes = packed.view(-1, self.width)
         out = None
         for k in range(self.width):
-            part = torch.index_select(self._lut(k, packed.device), 0, planes[:, k].long()).view(-1)
-            out = part if out is None else out.add_(part)  # planes never overlap: no carries
-        return out[:n].to(torch.int32).add_(self.lo)
+            # one word gather per byte: the 8 values' plane-k bits at once (as SignCodec.decode)
+            part = torch.index_select(self._lut(k, packed.device), 0, planes[:, k].to(torch.int32))
+            out = part if out is None else out.add_(part)  # planes never overlap: no carries, not even across values
+        return out.view(self._small()).view(-1)[:n].to(self.dtype).add_(self.lo)
 
     def __repr__(self) -> str:
         return f"FieldCodec(width={self.width}, lo={self.lo})"

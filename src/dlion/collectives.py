@@ -212,4 +212,4 @@ def unpack_fields(words: Tensor, width: int, n: int) -> Tensor:
         k, mask = 8 // width, (1 << width) - 1
         lut = (torch.arange(256).view(-1, 1) >> (width * torch.arange(k))) & mask
         lut = _FIELD_LUTS[key] = lut.to(torch.int16).to(words.device)
-    return torch.index_select(lut, 0, words.long()).view(-1)[:n]
+    return torch.index_select(lut, 0, words.to(torch.int32)).view(-1)[:n]

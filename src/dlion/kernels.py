@@ -26,7 +26,7 @@ import functools
 import torch
 from torch import Tensor
 
-__all__ = ["supported", "sign_contribution", "momentum_update_", "lion_update_"]
+__all__ = ["supported", "sign_contribution", "momentum_update_", "lion_update_", "NONFINITE"]
 
 _DTYPES = (torch.float32, torch.float64)
 
@@ -42,10 +42,14 @@ def _scalar(x: float, like: Tensor) -> Tensor:
     return torch.tensor(x, dtype=like.dtype, device=like.device)
 
 
-def _sign_contribution(m: Tensor, g: Tensor, b1: Tensor, omb1: Tensor, out: Tensor) -> Tensor:
+#: What :func:`sign_contribution` writes where c is inf or NaN (never a sign): one loop over m and g
+#: then does it all, where returning min/max of c as well made Inductor read them in a second loop.
+NONFINITE = 2
+
+
+def _sign_contribution(m: Tensor, g: Tensor, b1: Tensor, omb1: Tensor, out: Tensor) -> None:
     c = m * b1 + g * omb1
-    out.copy_(torch.sign(c))
-    return torch.stack([c.min(), c.max()])
+    out.copy_(torch.where(torch.isfinite(c), torch.sign(c), NONFINITE))
 
 
 def _momentum_update(m: Tensor, g: Tensor, b2: Tensor, omb2: Tensor) -> None:
@@ -92,12 +96,17 @@ def _compiled(name: str):
 
 
 def sign_contribution(m: Tensor, g: Tensor, beta1: float, scale: float, out: Tensor) -> bool:
-    """``out`` ← sign(β1·m + scale·g) (int8; sign(0) = 0) in one pass; True when every c is finite.
+    """``out`` ← sign(β1·m + scale·g) (int8; sign(0) = 0) in one pass over m and g; True when
+    every c is finite (checked on ``out``, a byte per value). Where some c is not finite ``out``
+    holds no meaningful signs (the step is rejected on every rank), but only values in {−1, 0, 1}.
     ``scale`` is 1 − β1 (or −(1 − β1) for ``maximize``); m and g are flat and untouched."""
     if not m.numel():
         return True
-    lo_hi = _compiled("sign")(m, g, _scalar(beta1, m), _scalar(scale, m), out)
-    return bool(torch.isfinite(lo_hi).all())
+    _compiled("sign")(m, g, _scalar(beta1, m), _scalar(scale, m), out)
+    if int(out.max()) < NONFINITE:
+        return True
+    out.clamp_(-1, 1)  # (the codecs expect signs)
+    return False
 
 
 def momentum_update_(m: Tensor, g: Tensor, beta2: float, scale: float) -> None:

@@ -52,7 +52,8 @@ def timeit(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
-def run(n: int, world: int, vote: str, comm: str, repeat: int, device: str, fused: bool = False) -> dict:
+def run(n: int, world: int, vote: str, comm: str, repeat: int, device: str, fused: bool = False,
+        ties: str = "zero") -> dict:
     g = torch.Generator().manual_seed(0)
     p = torch.randn(n, generator=g).to(device).requires_grad_()
     p.grad = torch.randn(n, generator=g).to(device)
@@ -70,7 +71,7 @@ def run(n: int, world: int, vote: str, comm: str, repeat: int, device: str, fuse
     for r, buf in enumerate(bufs):  # every simulated rank its own momentum and gradient
         buf.momentum.copy_(torch.randn(n, generator=g))
     grads = [torch.randn(n, generator=g).to(device) for _ in range(world)]
-    rule = VoteRule(vote, world)
+    rule = VoteRule(vote, world, ties=ties)
     alg = make_algorithm(comm, rule)
     states = [WireState(up="narrow" if comm == "pbit" else "runs") for _ in range(world)]
     contribs = []
@@ -120,7 +121,7 @@ def run(n: int, world: int, vote: str, comm: str, repeat: int, device: str, fuse
         "exchange": exchange_s,
         "apply": timed(apply),
     }
-    return {"params": n, "workers": world, "vote": vote, "comm": comm, "device": device, "fused": fused,
+    return {"params": n, "workers": world, "vote": vote, "ties": ties, "comm": comm, "device": device, "fused": fused,
             "seconds": t, "ns_per_param": {k: v / n * 1e9 for k, v in t.items()}}
 
 
@@ -131,6 +132,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--workers", type=int, default=4, help="N for the vote (default 4)")
     ap.add_argument("--vote", choices=("mavo", "avg"), default="mavo")
     ap.add_argument("--comm", choices=("1bit", "allgather", "pbit"), default="1bit")
+    ap.add_argument("--ties", choices=("zero", "random"), default="zero",
+                    help="MaVo's ties (default zero: with an even N the codes come back in base 3)")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: one rank per core)")
     ap.add_argument("--device", default="cpu")
@@ -141,9 +144,10 @@ def main(argv: list[str]) -> int:
         ap.error("--workers must be >= 1")
     torch.set_num_threads(args.threads)
     r = run(padded_length(args.params, args.workers), args.workers, args.vote, args.comm, args.repeat, args.device,
-            args.fused)
+            args.fused, args.ties)
     ns = r["ns_per_param"]
-    print(f"dlion bench codec: {r['params']:,} parameters, N={args.workers}, vote={args.vote}, comm={args.comm}, "
+    print(f"dlion bench codec: {r['params']:,} parameters, N={args.workers}, vote={args.vote}, ties={args.ties}, "
+          f"comm={args.comm}, "
           f"device={args.device}, {args.threads} thread(s), median of {args.repeat}"
           + (", fused kernels" if args.fused else ""))
     print(f"{'stage':<12} {'ms':>9} {'ns/param':>9}")
