@@ -47,6 +47,17 @@ def test_ttq_loopback_smoke(tmp_path, capsys):
     assert "target L" in capsys.readouterr().out
 
 
+def test_ttq_with_a_given_target_trains_only_the_listed_methods(tmp_path, capsys):
+    rc = ttq.main(["--workers", "2", "--methods", "d-mavo-1bit-ov", "--steps", "4", "--eval-every", "2",
+                   "--eval-batches", "1", "--n-layer", "1", "--n-embd", "32", "--n-head", "1", "--no-progress",
+                   "--target", "9.0", "--out", str(tmp_path)])
+    assert rc == 0
+    doc = json.loads((tmp_path / "ttq_results.json").read_text())
+    assert list(doc["curves"]) == ["d-mavo-1bit-ov"]
+    assert doc["composed"]["methods"]["d-mavo-1bit-ov"]["steps_to_target"] == 0  # the initial loss is below 9
+    assert "target L = 9.0000 nats/char (given)" in capsys.readouterr().out
+
+
 def test_ttq_extend_trains_only_the_new_methods_with_the_stored_workload(tmp_path, capsys):
     tiny = ["--workers", "2", "--steps", "6", "--eval-every", "3", "--eval-batches", "1", "--n-layer", "1",
             "--n-embd", "32", "--n-head", "1", "--no-progress"]

@@ -291,7 +291,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--step-times", default=None, help="e2e_results.json of `dlion bench e2e` with this model")
     ap.add_argument("--target", type=float, default=None,
-                    help="target validation loss L (default: G-Lion's final validation loss)")
+                    help="target validation loss L (default: G-Lion's final validation loss, and G-Lion is "
+                         "then trained whether listed or not)")
     ap.add_argument("--curves", default=None, help="re-compose the curves of an earlier ttq_results.json (its workload; no training)")
     ap.add_argument("--extend", default=None,
                     help="train only the --methods missing from this earlier ttq_results.json, with its workload, "
@@ -345,8 +346,8 @@ def main(argv: list[str]) -> int:
         methods = parse_methods(args.methods)
     except ValueError as e:
         ap.error(str(e))
-    if "g-lion" not in methods:
-        methods = ["g-lion"] + methods  # the reference that defines L
+    if "g-lion" not in methods and args.target is None:
+        methods = ["g-lion"] + methods  # the reference that defines L (with --target, only if asked for)
     cfg = {"n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head, "block_size": args.block_size,
            "batch_size": args.batch_size, "bucket_mb": args.bucket_mb, "lr": args.lr,
            "weight_decay": args.weight_decay, "betas": list(args.betas), "ties": args.ties,
