@@ -131,12 +131,12 @@ def test_time_to_target_uses_the_mean_step_time_where_the_e2e_result_has_it(tmp_
                                                   "median")
 
 
-def _seed_doc(seed, rows, target=2.1, lr=2e-4):
+def _seed_doc(seed, rows, target=2.1, lr=2e-4, warmup=0.05):
     """A composed ttq result: rows = {method: (steps or None, final loss, {link: seconds})}."""
     return {"benchmark": "dlion bench ttq", "workers": 4, "step_times_ms": {"x": {"1gbit": 1.0}},
             "config": {"seed": seed, "n_layer": 6, "n_embd": 256, "n_head": 4, "block_size": 64, "batch_size": 4,
                        "bucket_mb": 6.0, "lr": lr, "weight_decay": 0.1, "ties": "zero", "quant_bits": 8,
-                       "steps": 1000, "warmup_frac": 0.05},
+                       "steps": 1000, "warmup_frac": warmup},
             "composed": {"target_loss": target, "methods": {
                 m: {"steps_to_target": s, "final_loss": f, "best_loss": f,
                     "time_to_target_s": {k: (None if s is None else t) for k, t in times.items()}}
@@ -172,8 +172,26 @@ def test_across_seeds_lists_every_seed_and_averages_only_those_that_reached_the_
     assert (tmp_path / "out" / "ttq_seeds.png").stat().st_size > 0
 
 
+def test_across_seeds_keeps_methods_run_at_different_lr_apart(capsys):
+    """Each method at its own lr: several files per seed, one row per (method, lr)."""
+    from dlion.lab.bench import ttq_seeds
+
+    base = {"g-lion": (500, 1.9, {"1gbit": 10.0}), "d-mavo-1bit-ov": (700, 2.0, {"1gbit": 14.0})}
+    docs = [_seed_doc(0, base), _seed_doc(1, base),
+            _seed_doc(0, {"d-mavo-1bit-ov": (600, 2.0, {"1gbit": 12.0})}, lr=4e-4),
+            _seed_doc(1, {"d-mavo-1bit-ov": (None, 2.2, {"1gbit": 0.0})}, lr=4e-4)]
+    s = ttq_seeds.summarize(docs)
+    assert s["seeds"] == [0, 1]
+    assert list(s["methods"]) == ["g-lion@lr=0.0002", "d-mavo-1bit-ov@lr=0.0002", "d-mavo-1bit-ov@lr=0.0004"]
+    assert s["methods"]["d-mavo-1bit-ov@lr=0.0004"]["steps_to_target"] == [600, None]
+    assert s["first"]["1gbit"] == ["g-lion@lr=0.0002", "g-lion@lr=0.0002"]
+    assert "D-Lion MaVo 1bit +overlap (lr 0.0004): steps to L 600 / never; reached in 1 of 2" in ttq_seeds.table(s)
+    with pytest.raises(ValueError, match="seed 1 has d-mavo-1bit-ov@lr=0.0004 in two files"):
+        ttq_seeds.summarize(docs + [_seed_doc(1, {"d-mavo-1bit-ov": (650, 2.0, {"1gbit": 13.0})}, lr=4e-4)])
+
+
 @pytest.mark.parametrize("change, message", [
-    (dict(lr=1e-3), "lr"), (dict(target=2.0), "targets differ"), (dict(seed=0), "seeds repeat")])
+    (dict(target=2.0), "targets differ"), (dict(seed=0), "seeds repeat"), (dict(warmup=0.2), "warmup_frac")])
 def test_across_seeds_refuses_runs_that_are_not_one_experiment(change, message):
     from dlion.lab.bench import ttq_seeds
 

@@ -6,6 +6,10 @@ L and step-time file, which it checks — and reports per method: steps to L and
 at each link rate for every seed ("never" where L was not reached), the mean time over
 the seeds that reached L, and per rate which method was first in each seed.
 
+Runs may also differ in ``--lr`` (each method at the lr tuned for it): a seed can then
+come in several files, and every (method, lr) is a row of its own, e.g.
+``d-mavo-1bit-ov-rt@lr=0.0004``. A (method, lr) given twice for one seed is refused.
+
 Output in ``--out``: ``ttq_seeds.json``, ``ttq_seeds.txt`` and ``ttq_seeds.png`` (per link
 rate, each seed's time to L per method; "never" at the right edge).
 """
@@ -19,8 +23,8 @@ from typing import Optional
 
 from .ttq import _rate_key
 
-#: what the runs must share (besides the seed) to be compared
-SHARED = ("n_layer", "n_embd", "n_head", "block_size", "batch_size", "bucket_mb", "lr", "weight_decay", "betas",
+#: what the runs must share (besides the seed and the lr) to be compared
+SHARED = ("n_layer", "n_embd", "n_head", "block_size", "batch_size", "bucket_mb", "weight_decay", "betas",
           "ties", "quant_bits", "steps", "warmup_frac")
 
 
@@ -35,9 +39,7 @@ def _setting(doc: dict, key: str):
 def summarize(docs: list[dict]) -> dict:
     """The per-seed figures of ``docs`` (composed ttq results) side by side; raises
     ``ValueError`` when they are not runs of one workload, target and step-time file."""
-    if len(docs) < 2:
-        raise ValueError("give at least two ttq_results.json files (one per seed)")
-    ref = docs[0]
+    ref = docs[0] if docs else None
     for d in docs[1:]:
         diff = [k for k in SHARED if _setting(d, k) != _setting(ref, k)]
         if diff:
@@ -48,16 +50,24 @@ def summarize(docs: list[dict]) -> dict:
                              "(re-compose every seed with the same --target)")
         if d.get("step_times_ms") != ref.get("step_times_ms"):
             raise ValueError("the runs were composed with different step times (use one --step-times file)")
-    seeds = [d["config"].get("seed") for d in docs]
-    if len(set(seeds)) != len(seeds):
-        raise ValueError(f"seeds repeat: {seeds}")
-    methods = list(dict.fromkeys(m for d in docs for m in d["composed"]["methods"]))
+    seeds = list(dict.fromkeys(d["config"].get("seed") for d in docs))
+    by_lr = len({_setting(d, "lr") for d in docs}) > 1
+    rows_of: dict = {}  # (method key) -> {seed index: composed row}
+    for d in docs:
+        i = seeds.index(d["config"].get("seed"))
+        for m, row in d["composed"]["methods"].items():
+            key = f"{m}@lr={_setting(d, 'lr'):g}" if by_lr else m
+            if i in rows_of.setdefault(key, {}):
+                raise ValueError(f"seed {seeds[i]} has {key} in two files (seeds repeat)")
+            rows_of[key][i] = row
+    if len(seeds) < 2:
+        raise ValueError("give ttq_results.json files of at least two seeds")
     links = sorted({k for d in docs for r in d["composed"]["methods"].values() for k in r["time_to_target_s"]},
                    key=_rate_key)
     out = {"target_loss": ref["composed"]["target_loss"], "seeds": seeds, "links": links, "methods": {},
            "first": {}}
-    for m in methods:
-        rows = [d["composed"]["methods"].get(m) for d in docs]
+    for m, per_seed in rows_of.items():
+        rows = [per_seed.get(i) for i in range(len(seeds))]
         times = {k: [None if r is None or r["steps_to_target"] is None else r["time_to_target_s"].get(k)
                      for r in rows] for k in links}
         reached = {k: [t for t in ts if t is not None] for k, ts in times.items()}
@@ -71,7 +81,7 @@ def summarize(docs: list[dict]) -> dict:
         }
     for k in links:
         firsts: list[Optional[str]] = []
-        for i in range(len(docs)):
+        for i in range(len(seeds)):
             t = {m: r["time_to_target_s"][k][i] for m, r in out["methods"].items()
                  if r["time_to_target_s"][k][i] is not None}
             firsts.append(min(t, key=t.get) if t else None)
@@ -79,9 +89,15 @@ def summarize(docs: list[dict]) -> dict:
     return out
 
 
-def table(s: dict) -> str:
-    from .e2e.methods import label
+def label(key: str) -> str:
+    """A row's label: the method's, with its lr where the runs differ in lr."""
+    from .e2e.methods import label as method_label
 
+    m, _, lr = key.partition("@lr=")
+    return method_label(m) + (f" (lr {lr})" if lr else "")
+
+
+def table(s: dict) -> str:
     seeds = "/".join(str(x) for x in s["seeds"])
     lines = [f"target L = {s['target_loss']:.4f} nats/char; seeds {seeds}; "
              "time to L per seed, and the mean over the seeds that reached L"]
@@ -106,8 +122,6 @@ def plot(s: dict, path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter
-
-    from .e2e.methods import label
 
     methods = list(s["methods"])
     fig, axes = plt.subplots(1, len(s["links"]), figsize=(5.2 * len(s["links"]), 0.5 * len(methods) + 1.8),
@@ -164,6 +178,6 @@ def run(paths: list[str], out: str) -> int:
     with open(os.path.join(out, "ttq_seeds.txt"), "w") as f:
         f.write(text + "\n")
     plot(s, os.path.join(out, "ttq_seeds.png"),
-         f"dlion bench ttq: {len(docs)} seeds, {docs[0]['workers']} ranks, {docs[0]['config']['steps']} steps")
+         f"dlion bench ttq: {len(s['seeds'])} seeds, {docs[0]['workers']} ranks, {docs[0]['config']['steps']} steps")
     print(f"wrote {os.path.join(out, 'ttq_seeds.json')}, ttq_seeds.txt, ttq_seeds.png")
     return 0
