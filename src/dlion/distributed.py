@@ -30,6 +30,12 @@ and first collective start from gradient hooks as soon as backward has produced
 its last gradient, and, on the default group, its later collectives go on a
 second process group so that ranks never disagree on the order of collectives;
 an exchange thread issues them as soon as they can go (:mod:`dlion.pipeline`).
+
+With ``delay=1`` step t's Δ is applied in step t + 1, so its exchange runs
+(on the exchange thread) during step t + 1's forward and backward; the local
+momentum update happens at once, since c of the next step needs it::
+
+    x_{t+1} = x_t·(1 − η·λ) − η·Δ_{t−1}        # Δ_t is still on the wire
 """
 
 from __future__ import annotations
@@ -80,9 +86,11 @@ class _Step:
     """The buckets of one step: which are issued, which are done."""
 
     def __init__(self, opt: "DistributedLion"):
-        self.pipeline = Pipeline(len(opt.buckets), opt._first, opt._second, threaded=opt.overlap,
+        self.pipeline = Pipeline(len(opt.buckets), opt._first, opt._second,
+                                 threaded=opt.overlap or bool(opt.delay),
                                  device=opt.buckets[0].device if opt.buckets else None)
         self.present: list = [None] * len(opt.buckets)
+        self.finite = [False] * len(opt.buckets)  # this rank's gradients of bucket k were all finite
         self.errors: list = [None] * len(opt.buckets)
         self.pending = [set(range(len(b.params))) for b in opt.buckets]
         self.seen: set = set()
@@ -95,6 +103,13 @@ class _Step:
     def read_flags(self, k: int, out: Outcome) -> None:
         """Bucket k's failure flags are known (``Contribution.on_flags``; the exchange thread may call it)."""
         self.flags_ok[k] = not out.failed
+
+
+class _Settled:
+    """A step restored from a checkpoint whose Δ is not applied yet (``delay=1``)."""
+
+    def __init__(self, buckets: int, present: list):
+        self.present, self.errors, self.applied = present, [None] * buckets, 0
 
 
 class DistributedLion(Lion):
@@ -140,6 +155,19 @@ class DistributedLion(Lion):
             the finiteness check; the momentum update) as compiled loops
             (:mod:`dlion.kernels`), the same roundings, two to three times fewer passes
             over memory. The first step compiles (seconds; needs a C++ compiler).
+        delay: ``0`` (default) or ``1``: apply each step's Δ one step later, so that its
+            communication runs during the next step's forward and backward instead of
+            being waited for (one step of staleness, as in delayed gradient averaging).
+            ``step()`` applies the previous step's Δ, then sends this one; each rank updates
+            its momentum at once. Call :meth:`flush` after the last step (and before
+            evaluating, if the last Δ matters); ``state_dict()``, :meth:`check_replicas` and
+            :meth:`synchronize_momenta` flush first. ``step_count`` counts applied steps. A
+            step skipped for inf/NaN gradients leaves parameters unchanged on every rank, as
+            without delay, but the ranks with finite gradients have already updated their
+            momenta. Needs ``overlap=False`` (the whole exchange overlaps the next step
+            already) and no ``GradScaler``. Collectives of your own on ``process_group``
+            during a step are safe only on the default group (``process_group=None``),
+            where the exchange thread uses a group of its own.
 
     Parameters with ``requires_grad=False`` are never communicated and get no
     momentum. A parameter whose ``.grad`` is ``None`` on some ranks abstains there;
@@ -170,7 +198,13 @@ class DistributedLion(Lion):
         foreach: Optional[bool] = None,
         momentum_dtype: Optional[torch.dtype] = None,
         fused: bool = False,
+        delay: int = 0,
     ):
+        if delay not in (0, 1) or isinstance(delay, bool):
+            raise ValueError(f"delay must be 0 or 1, got {delay!r}")
+        if delay and overlap:
+            raise ValueError("delay=1 already overlaps each step's whole exchange with the next forward and "
+                             "backward; it cannot be combined with overlap=True's gradient hooks.")
         distributed = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size(process_group) if distributed else 1
         self.rule = VoteRule(vote, world, ties=ties, seed=seed)
@@ -188,6 +222,7 @@ class DistributedLion(Lion):
         self.momentum_sync, self.overlap, self.seed = momentum_sync, overlap, seed
         self.check_every, self.nonfinite, self.sign_hook = check_every, nonfinite, sign_hook
         self.bucket_cap_mb = bucket_cap_mb
+        self.delay = delay
         self.comm_stats = CommStats()
         #: completed ``step()`` calls, skipped ones included: keys the tie coins and the momentum-sync
         #: schedule (``comm_stats`` only counts traffic and may be reset by the user)
@@ -205,6 +240,8 @@ class DistributedLion(Lion):
         self._left_out: list[LeftOut] = []
         self._sync = True
         self._step: Optional[_Step] = None
+        #: delay=1: (step number, its exchange, its outcomes once completed) of the step not yet applied
+        self._in_flight: Optional[tuple] = None
         self._hooks: list = []
         if world > 1:
             self._check_same_model()
@@ -226,7 +263,7 @@ class DistributedLion(Lion):
             self._first = GroupTransport(process_group, self.comm_stats)
             # Hooks issue first collectives during backward; the later ones of each bucket go on a
             # second group, in bucket order, so the two streams can never interleave differently.
-            second = dist.new_group(backend=None) if (overlap and process_group is None) else None
+            second = dist.new_group(backend=None) if ((overlap or delay) and process_group is None) else None
             self._second = GroupTransport(second, self.comm_stats) if second is not None else self._first
             if overlap:
                 self._register_hooks()
@@ -259,7 +296,7 @@ class DistributedLion(Lion):
     def _config(self) -> tuple:
         return (self.rule.vote, self.rule.ties, self.seed, self.comm, self.aggregate, self.quant_norm,
                 self.quant_bits, str(self.momentum_sync), self.bucket_cap_mb, self.overlap, self.check_every,
-                self.nonfinite, str(self.momentum_dtype))
+                self.nonfinite, str(self.momentum_dtype), self.delay)
 
     def _check_same_model(self) -> None:
         """Shapes, dtypes, requires_grad and, when the parameters were given with names
@@ -294,7 +331,7 @@ class DistributedLion(Lion):
                         f"{b[2]} on rank {r} and {a[2]} on rank 0.")
             if cfg != ref_cfg:
                 names = ("vote", "ties", "seed", "comm", "aggregate", "quant_norm", "quant_bits", "momentum_sync",
-                         "bucket_cap_mb", "overlap", "check_every", "nonfinite", "momentum_dtype")
+                         "bucket_cap_mb", "overlap", "check_every", "nonfinite", "momentum_dtype", "delay")
                 diff = [f"{n}={x!r} on rank {r}, {y!r} on rank 0" for n, x, y in zip(names, cfg, ref_cfg) if x != y]
                 raise ValueError("DistributedLion: ranks disagree on the optimizer's options: " + "; ".join(diff))
 
@@ -348,6 +385,7 @@ class DistributedLion(Lion):
                                                  fused=group.get("fused", False))
             if not finite:
                 status |= NONFINITE
+            self._step.finite[k] = finite
             if self.sign_hook is not None:
                 try:
                     values[:b.numel] = _checked_hook_output(self.sign_hook(step, values[:b.numel].clone()), b.numel)
@@ -395,6 +433,8 @@ class DistributedLion(Lion):
             return self._local_step(closure)
         loss = self._evaluate(closure)
         self._check_frozen()
+        if self.delay:
+            return self._delayed_step(loss)
         step_no = self.step_count
         if self._step is not None and self._step.stale:
             # Another backward accumulated into gradients already sent (overlap=True without no_sync):
@@ -408,6 +448,7 @@ class DistributedLion(Lion):
         self._issue_ready(step_no)
         with record_function("dlion.exchange"):
             outcomes = st.pipeline.finish(progress=lambda: self._apply_finished(st))
+        self.comm_stats.wait_s += st.pipeline.blocked
         self._step = None
         try:
             with record_function("dlion.apply"):
@@ -417,7 +458,104 @@ class DistributedLion(Lion):
                 buf.borrowed = None
         return loss
 
-    def _apply_finished(self, st: _Step) -> None:
+    def _delayed_step(self, loss):
+        """delay=1: apply the step in flight (its exchange ran during this forward and backward),
+        then contribute this one and leave its exchange to the exchange thread."""
+        self.flush()
+        step_no = self.step_count
+        st = self._step = _Step(self)
+        try:
+            for pending in st.pending:
+                pending.clear()
+            self._issue_ready(step_no)
+            if all(st.finite) and not any(e is not None for e in st.errors):
+                # c of the next step needs this step's g in m, before Δ is known (non-finite: this rank
+                # skips its momentum update, and every rank will skip Δ)
+                for k, (b, buf) in enumerate(zip(self.buckets, self._buffers)):
+                    if any(st.present[k]):
+                        update_momentum(b, buf, st.present[k], b.group["betas"][1], self._scratch,
+                                        fused=b.group.get("fused", False))
+        finally:
+            self._step = None
+            for buf in self._buffers:  # (a rank with non-finite gradients did not consume them)
+                buf.borrowed = None
+        self._in_flight = (step_no, st, None)
+        return loss
+
+    @torch.no_grad()
+    def flush(self) -> None:
+        """``delay=1``: wait for the step in flight and apply its Δ on every rank (all ranks
+        must call it at the same point). Call it after the last ``step()``; nothing to do
+        without ``delay`` or when no step is in flight."""
+        if self._in_flight is None:
+            return
+        self._settle()
+        step_no, st, outcomes = self._in_flight
+        self._in_flight = None
+        with record_function("dlion.apply"):
+            self._finish(step_no, st, outcomes)
+
+    def _settle(self) -> None:
+        """delay=1: complete the exchange in flight, without applying its Δ yet."""
+        if self._in_flight is None or self._in_flight[2] is not None:
+            return
+        step_no, st, _ = self._in_flight
+        with record_function("dlion.exchange"):
+            outcomes = st.pipeline.finish()
+        self.comm_stats.wait_s += st.pipeline.blocked
+        self._in_flight = (step_no, st, outcomes)
+
+    def _pending_state(self) -> Optional[dict]:
+        """The settled step not yet applied (delay=1), per parameter, so that a checkpoint taken
+        between two steps loses nothing and resumes on any bucket layout: its codes (parameter
+        shape; None where no rank had a gradient), whether it is skipped, and the vote's divisor."""
+        if self._in_flight is None:
+            return None
+        self._settle()
+        step_no, st, outcomes = self._in_flight
+        if any(e is not None for e in st.errors) or any(o.bad or not o.digests_agree for o in outcomes):
+            self.flush()  # raises on every rank, as the next step() would
+        codes, has_grad = {}, {}
+        for b, o in zip(self.buckets, outcomes):
+            for j, (i, off, n) in enumerate(zip(b.indices, b.offsets, b.sizes)):
+                has_grad[i] = bool(o.has_grad[j])
+                if has_grad[i] and o.codes is not None:
+                    codes[i] = o.codes[off:off + n].view(b.params[j].shape).cpu().clone()
+        return {"step": step_no, "skip": any(o.nonfinite for o in outcomes), "codes": codes, "has_grad": has_grad,
+                "divisor": self.world_size if self.rule.vote == "avg" else 1}
+
+    def _load_pending(self, pending: dict) -> None:
+        """Restore a saved :meth:`_pending_state`: with the same layout and divisor, as the step the
+        next ``step()`` applies (bitwise the run that never stopped); otherwise (a resize) applied now."""
+        step_no, codes = int(pending["step"]), pending["codes"]
+        divisor = int(pending["divisor"])
+        outcomes = []
+        for b in self.buckets:
+            has = [bool(pending["has_grad"].get(i, False)) for i in b.indices]
+            full = None
+            if any(codes.get(i) is not None for i in b.indices) and not pending["skip"]:
+                dtype = next(codes[i].dtype for i in b.indices if codes.get(i) is not None)
+                full = torch.zeros(b.padded, dtype=dtype, device=b.device)
+                for i, off, n, h in zip(b.indices, b.offsets, b.sizes, has):
+                    if h and codes.get(i) is not None:
+                        full[off:off + n] = codes[i].reshape(-1).to(b.device)
+            outcomes.append(Outcome(full, torch.tensor(has, dtype=torch.bool),
+                                    nonfinite=int(bool(pending["skip"]))))
+        settled = _Settled(len(self.buckets), [o.has_grad.tolist() for o in outcomes])
+        if divisor == (self.world_size if self.rule.vote == "avg" else 1):
+            self._in_flight = (step_no, settled, outcomes)
+            return
+        # another world size with vote="avg": the codes are sums over the saved ranks; apply them now
+        for b, o in zip(self.buckets, outcomes):
+            if o.codes is not None and bool(o.has_grad.any()):
+                group = b.group
+                scaled = o.codes[:b.numel].to(b.dtype).div_(divisor).mul_(group["lr"])
+                for p, i, off, n, h in zip(b.params, b.indices, b.offsets, b.sizes, o.has_grad.tolist()):
+                    if h and codes.get(i) is not None:
+                        p.mul_(1.0 - group["lr"] * group["weight_decay"]).sub_(scaled[off:off + n].view(p.shape))
+        self._count_step()
+
+    def _apply_finished(self, st: "_Step") -> None:
         """Apply, in bucket order, the buckets whose codes are back, while later buckets' are still
         on the wire — once every bucket's first collective has shown that no rank failed (the
         failure flags travel there; a local error sends BAD), so every rank applies all buckets or none."""
@@ -436,6 +574,9 @@ class DistributedLion(Lion):
         if self.overlap and self.world_size > 1:
             raise RuntimeError("DistributedLion(overlap=True) sends each bucket during backward, before a "
                                "GradScaler can unscale the gradients; use overlap=False with GradScaler.")
+        if self.delay and self.world_size > 1:
+            raise RuntimeError("DistributedLion(delay=1) learns whether a step overflowed one step later, after "
+                               "GradScaler.update() has run; use delay=0 with GradScaler.")
         record = scaler._per_optimizer_states[id(self)]  # private: pinned by tests/test_misuse.py
         if record["stage"].name == "READY":
             scaler.unscale_(self)
@@ -461,7 +602,6 @@ class DistributedLion(Lion):
         """Apply Δ and update momenta — or, if any rank failed, change nothing anywhere."""
         for left_out, o in zip(self._left_out, outcomes):
             left_out.update(o.has_grad)
-        self.comm_stats.wait_s += st.pipeline.blocked
         self.comm_stats.add_tallies([o.tally for o in outcomes if o.tally is not None])
         errors = [e for e in st.errors if e is not None]
         if errors:
@@ -510,7 +650,7 @@ class DistributedLion(Lion):
             apply_codes(b, o.codes, active, buf.work, buf.work_views, group["lr"], group["weight_decay"],
                         self.world_size if self.rule.vote == "avg" else 1)
             self._steps[k].add_(o.has_grad.to(self._steps[k].dtype))
-        if any(present):
+        if any(present) and not self.delay:  # (delay=1: updated when contributed)
             update_momentum(b, self._buffers[k], present, group["betas"][1], self._scratch,
                             fused=group.get("fused", False))
 
@@ -564,6 +704,7 @@ class DistributedLion(Lion):
         Costs 2·(N−1)/N·32 bits per trainable parameter each way when it runs."""
         if self.world_size == 1:
             return
+        self.flush()
         average_momenta(self._buffers, self._first, self.world_size)
 
     @torch.no_grad()
@@ -573,6 +714,7 @@ class DistributedLion(Lion):
         parameter per rank through an all-gather)."""
         if self.world_size == 1:
             return
+        self.flush()
         work, everyone = self._first.issue("all_gather", checksum_table(self._params), "check")
         work.wait()
         raise_if_diverged(everyone, self._params, self.world_size, "DistributedLion", self.step_count)
@@ -613,6 +755,7 @@ class DistributedLion(Lion):
 
     # -- checkpointing ----------------------------------------------------------
     def state_dict(self) -> dict:
+        pending = self._pending_state()  # delay=1: the step not yet applied travels with the checkpoint
         sd = super().state_dict()
         sd["dlion"] = {"step_count": self.step_count, "comm_stats": self.comm_stats.state_dict(),
                        "world_size": self.world_size,
@@ -621,7 +764,8 @@ class DistributedLion(Lion):
                        # the agreed wire formats (identical on every rank), so a resumed run sends the same bytes
                        "wire": [(w.up, w.down) for w in self._wire],
                        # which parameters the next step leaves out of the payload (no gradient anywhere last step)
-                       "skip": [left_out.skip.tolist() for left_out in self._left_out]}
+                       "skip": [left_out.skip.tolist() for left_out in self._left_out],
+                       "pending": pending}
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -660,6 +804,10 @@ class DistributedLion(Lion):
             if [len(s) for s in skips] == [len(b.params) for b in self.buckets]:
                 for left_out, skip in zip(self._left_out, skips):
                     left_out.update(~torch.tensor(skip, dtype=torch.bool))
+            self._in_flight = None
+            if extra.get("pending") is not None:
+                with torch.no_grad():
+                    self._load_pending(extra["pending"])
 
 
 def check_options(comm, aggregate, vote, quant_norm, quant_bits, momentum_sync, bucket_cap_mb,

@@ -247,10 +247,10 @@ def main(argv: list[str]) -> int:
         os.makedirs(args.out, exist_ok=True)
         replot(args.replot, os.path.join(args.out, "timeline.png"))
         return 0
-    from .e2e.methods import METHODS
+    from .e2e.methods import is_method
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if not is_method(m)]
     if unknown:
         ap.error(f"unknown methods {unknown}; see dlion bench e2e --help")
     if args.steps < 1 or args.warmup < 0 or args.workers < 2:

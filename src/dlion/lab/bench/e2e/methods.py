@@ -3,6 +3,7 @@ optimizer and DDP comm hook on one rank (:class:`MethodRun`)."""
 
 from __future__ import annotations
 
+import re
 import time
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -15,9 +16,30 @@ POWERSGD = tuple(f"g-{opt}-powersgd{r}" for opt in ("lion", "adamw") for r in (1
 BASELINES = ("compute", "sync-only", "g-adamw", "g-lion", "g-lion-bf16") + POWERSGD + ("ddp-dlion-hook",)
 DLION = tuple(f"d-{vote}-{comm}{ov}" for vote in ("mavo", "avg") for comm in ("allgather", "1bit", "pbit")
               for ov in ("", "-ov")) + ("d-mavo-quant", "d-mavo-quant-ov", "d-mavo-1bit-ov-rt", "d-mavo-1bit-ov-m16") \
-    + ("d-mavo-1bit-1b", "d-mavo-1bit-rt-1b", "d-avg-1bit-1b")  # -1b: the whole model in one bucket, like PowerSGD
+    + ("d-mavo-1bit-1b", "d-mavo-1bit-rt-1b", "d-avg-1bit-1b") \
+    + ("d-mavo-1bit-rt-dl", "d-mavo-1bit-rt-1b-dl", "d-avg-1bit-dl")
+# -1b: the whole model in one bucket, like PowerSGD; -dl: delay=1 (Δ applied a step later, its exchange
+# overlapping the next forward and backward)
 HIER = ("h-mavo-1bit", "h-mavo-allgather", "h-avg-1bit")  # HierarchicalDistributedLion (needs --nodes)
 METHODS = BASELINES + DLION + HIER
+_MOMENTUM_SYNC = re.compile(r"^(d-.+)-ms(\d+|d)$")  # a D-Lion method + "-ms<K>": momenta averaged every K steps
+
+
+def split_momentum_sync(method: str) -> tuple[str, object]:
+    """``"d-mavo-1bit-ov-rt-ms100"`` → ``("d-mavo-1bit-ov-rt", 100)``; ``-msd`` → ``"doubling"``;
+    a name without the suffix → ``(name, "none")``. Any D-Lion method takes the suffix
+    (Lion Cub's momentum synchronisation: the ranks' momenta averaged in fp32)."""
+    m = _MOMENTUM_SYNC.match(method)
+    if m is None or m.group(1) not in DLION:
+        return method, "none"
+    k = m.group(2)
+    if k != "d" and int(k) < 1:
+        raise ValueError(f"{method}: the momentum sync interval must be >= 1")
+    return m.group(1), "doubling" if k == "d" else int(k)
+
+
+def is_method(name: str) -> bool:
+    return split_momentum_sync(name)[0] in METHODS
 GROUPS = {
     "all": BASELINES + DLION,
     "hier": HIER,
@@ -42,6 +64,9 @@ PROFILE_RANGES = ("dlion.contribute", "dlion.exchange", "dlion.apply")
 def label(method: str) -> str:
     if method in LABELS:
         return LABELS[method]
+    method, sync = split_momentum_sync(method)
+    if sync != "none":
+        return label(method) + (" +momentum sync (doubling)" if sync == "doubling" else f" +momentum sync /{sync}")
     parts = method.split("-")
     if parts[0] == "h":
         return f"Hierarchical D-Lion {'MaVo' if parts[1] == 'mavo' else 'Avg'} {parts[2]}"
@@ -49,7 +74,7 @@ def label(method: str) -> str:
     comm = {"quant": "quantized int8", "allgather": "allgather (naive)"}.get(comm, comm)
     return (f"D-Lion {'MaVo' if vote == 'mavo' else 'Avg'} {comm}{' +overlap' if ov else ''}"
             f"{' +random ties' if rt else ''}{' +bf16 momentum' if m16 else ''}"
-            f"{', one bucket' if '1b' in parts[3:] else ''}")
+            f"{', one bucket' if '1b' in parts[3:] else ''}{' +delay 1' if 'dl' in parts[3:] else ''}")
 
 
 def parse_methods(text: str) -> list[str]:
@@ -59,9 +84,10 @@ def parse_methods(text: str) -> list[str]:
             continue
         names = GROUPS.get(item, (item,))
         for n in names:
-            if n not in METHODS:
+            if not is_method(n):
                 raise ValueError(f"unknown method {n!r}; choose from {', '.join(METHODS)} "
-                                 f"or the groups {', '.join(GROUPS)}")
+                                 f"or the groups {', '.join(GROUPS)}; a D-Lion method may end in -ms<K> "
+                                 "(momenta averaged every K steps) or -msd (after steps 1, 2, 4, 8, …)")
             if n not in out:
                 out.append(n)
     if not out:
@@ -203,7 +229,8 @@ class MethodRun:
                                      mesh=_node_mesh(cfg["per_node"]))
             self.opt.check_replicas()
         else:
-            _, vote, comm, *rest = method.split("-")
+            base, sync = split_momentum_sync(method)
+            _, vote, comm, *rest = base.split("-")
             quant = comm == "quant"
             self.net = model
             self.opt = _dlion_class()(
@@ -212,7 +239,8 @@ class MethodRun:
                 comm="1bit" if quant else comm, aggregate="quantized" if quant else "sign",
                 quant_bits=cfg["quant_bits"], overlap="ov" in rest,
                 bucket_cap_mb=POWERSGD_BUCKET_MB if "1b" in rest else cfg["bucket_mb"],
-                momentum_dtype=torch.bfloat16 if "m16" in rest else None, fused=fused)
+                momentum_dtype=torch.bfloat16 if "m16" in rest else None, fused=fused, momentum_sync=sync,
+                delay=1 if "dl" in rest else 0)
             self.opt.check_replicas()
         self.step_s: list[float] = []
         self.fwd_bwd_s: list[float] = []

@@ -1,0 +1,205 @@
+"""``DistributedLion(delay=1)``: each step's Δ applied one step later, on real Gloo groups.
+
+The reference is written from the update rule (Distributed Lion, arXiv 2404.00438) with
+the one-step delay of delayed gradient averaging: after the (t+1)-th ``step()`` call the
+parameters hold Δ_0 … Δ_{t−1} (each with its weight decay), and every momentum holds
+g_0 … g_t. ``grads_for`` does not depend on the parameters, so the delayed run's Δ_t are
+those of the undelayed run, which makes every intermediate state exactly checkable.
+"""
+
+import io
+
+import pytest
+import torch
+
+import dlion
+from dlion.aggregation import coin_key, tie_coins
+from dlion.lab.spawn import spawn
+from conftest import BETAS, LR, SHAPES, STEPS, WD, grads_for, init_params
+
+NAN_RANK, NAN_STEP = 1, 2
+
+
+def reference(world, cfg, layout, applied, seen, nan_step=None):
+    """(parameters with the first ``applied`` Δ applied, every rank's momenta after ``seen``
+    gradients). With ``nan_step``, rank ``NAN_RANK``'s gradient of that step is non-finite:
+    that Δ is skipped everywhere (no decay either) and that rank's momentum skips the gradient."""
+    x = [p.clone() for p in init_params(0)]
+    m = [[torch.zeros(s, dtype=d) for s, d in SHAPES] for _ in range(world)]
+    for t in range(max(applied, seen)):
+        grads = [grads_for(i, t, cfg.get("dense", False)) for i in range(world)]
+        for k in range(len(SHAPES)):
+            deltas = []
+            for i in range(world):
+                g = grads[i][k]
+                if g is None:
+                    deltas.append(torch.zeros_like(x[k]))
+                    continue
+                c = BETAS[0] * m[i][k] + (1 - BETAS[0]) * g
+                deltas.append(torch.sign(c))
+                if t < seen and not (t == nan_step and i == NAN_RANK):
+                    m[i][k] = BETAS[1] * m[i][k] + (1 - BETAS[1]) * g
+            if t >= applied or t == nan_step or all(grads[i][k] is None for i in range(world)):
+                continue
+            s = sum(deltas)
+            nz = sum(d.abs() for d in deltas)
+            if cfg["vote"] == "avg":
+                update = s / world
+            else:
+                update = torch.sign(s)
+                if cfg.get("ties") == "random":
+                    bucket, offset, _ = layout[k]
+                    coins = tie_coins(coin_key(5, t, bucket), offset, s.numel()).view(s.shape).to(s.dtype)
+                    update = torch.where((s == 0) & (nz > 0), coins, update)
+            x[k] = x[k] * (1 - LR * WD) - LR * update
+    return x, m
+
+
+def _optimizer(params, cfg):
+    return dlion.DistributedLion(params, lr=LR, betas=BETAS, weight_decay=WD, vote=cfg["vote"],
+                                 ties=cfg.get("ties", "zero"), comm=cfg.get("comm", "1bit"), seed=5,
+                                 bucket_cap_mb=cfg.get("bucket_cap_mb", 25.0), fused=cfg.get("fused", False),
+                                 delay=1)
+
+
+def _snapshot(params, opt):
+    return dict(params=[p.detach().clone() for p in params],
+                momenta=[opt.state[p]["exp_avg"].clone() if "exp_avg" in opt.state[p] else None for p in params],
+                step_count=opt.step_count, skipped=opt.skipped_steps)
+
+
+def delay_worker(rank, world, configs, nan):
+    out = []
+    for cfg in configs:
+        params = [p.requires_grad_() for p in init_params(rank)]
+        opt = _optimizer(params, cfg)
+        states = []
+        for t in range(STEPS):
+            for p, g in zip(params, grads_for(rank, t, cfg.get("dense", False))):
+                p.grad = g
+            if nan and t == NAN_STEP and rank == NAN_RANK:
+                params[6].grad[3, 4] = float("nan")
+            opt.step()
+            states.append(_snapshot(params, opt))
+        opt.zero_grad()
+        opt.flush()
+        states.append(_snapshot(params, opt))
+        out.append(dict(states=states, layout=opt.bucket_layout()))
+    return out
+
+
+CONFIGS = [
+    dict(vote="mavo"),
+    dict(vote="avg", dense=True),
+    dict(vote="mavo", ties="random", fused=True),
+    dict(vote="mavo", comm="allgather", bucket_cap_mb=40 * 4 / 2**20),  # many buckets, one exchange thread
+    dict(vote="avg", comm="pbit"),
+]
+
+
+def _check(world, results, nan):
+    for c, cfg in enumerate(CONFIGS):
+        layout = results[0][c]["layout"]
+        for call in range(STEPS + 1):  # STEPS step() calls, then flush()
+            applied = min(call, STEPS)
+            seen = min(call + 1, STEPS)
+            want_x, want_m = reference(world, cfg, layout, applied, seen, NAN_STEP if nan else None)
+            for rank, res in enumerate(r[c] for r in results):
+                st = res["states"][call]
+                for k, (got, want) in enumerate(zip(st["params"], want_x)):
+                    assert torch.equal(got, want), f"{cfg} rank {rank} after call {call + 1}: parameter {k}"
+                for k, (got, want) in enumerate(zip(st["momenta"], want_m[rank])):
+                    if got is not None:
+                        assert torch.equal(got, want), f"{cfg} rank {rank} after call {call + 1}: momentum {k}"
+                assert st["step_count"] == applied
+                assert st["skipped"] == (1 if nan and applied > NAN_STEP else 0)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_each_delta_is_applied_one_step_later_and_momenta_at_once(world):
+    _check(world, spawn(delay_worker, world, CONFIGS, False), nan=False)
+
+
+def test_a_nonfinite_gradient_skips_that_delta_on_every_rank_one_step_later():
+    _check(3, spawn(delay_worker, 3, CONFIGS, True), nan=True)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(12, 64)
+        self.b = torch.nn.Linear(64, 3)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _batch(rank, t):
+    g = torch.Generator().manual_seed(100 * rank + t)
+    return torch.randn(16, 12, generator=g), torch.randint(0, 3, (16,), generator=g)
+
+
+def resume_worker(rank, world, k):
+    """A model whose gradients depend on its parameters: K steps, a checkpoint (which flushes),
+    K more; then the same from the checkpoint in a fresh optimizer. Every rank's parameters
+    gathered after every step."""
+    def train(model, opt, steps, start):
+        sums = []
+        for t in range(start, start + steps):
+            x, y = _batch(rank, t)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            everyone = [torch.empty_like(mine) for _ in range(world)]
+            torch.distributed.all_gather(everyone, mine)  # on the default group, while Δ is in flight
+            sums.append(all(torch.equal(e, everyone[0]) for e in everyone))
+        return sums
+
+    torch.manual_seed(rank)  # different initial weights: the optimizer broadcasts rank 0's
+    model = _Net()
+    opt = dlion.DistributedLion(model.parameters(), lr=1e-2, weight_decay=0.1, bucket_cap_mb=0.001, delay=1)
+    agree = train(model, opt, k, 0)
+    file = io.BytesIO()  # model first, as most training loops save it: Δ_{k-1} is not applied yet
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, file)
+    at_save = [p.detach().clone() for p in model.parameters()]
+    agree += train(model, opt, k, k)
+    opt.flush()
+    final = [p.detach().clone() for p in model.parameters()]
+    opt.check_replicas()
+
+    file.seek(0)
+    saved = torch.load(file, weights_only=True)
+    model2 = _Net()
+    model2.load_state_dict(saved["model"])
+    opt2 = dlion.DistributedLion(model2.parameters(), lr=1e-2, weight_decay=0.1, bucket_cap_mb=0.001, delay=1)
+    opt2.load_state_dict(saved["opt"])
+    agree += train(model2, opt2, k, k)
+    opt2.flush()
+    resumed = [p.detach().clone() for p in model2.parameters()]
+    return dict(agree=agree, final=final, resumed=resumed, at_save=at_save, buckets=len(opt.buckets),
+                steps=(opt.step_count, opt2.step_count))
+
+
+def test_ranks_agree_every_step_and_a_checkpoint_resumes_bitwise():
+    results = spawn(resume_worker, 3, 4)
+    for res in results:
+        assert all(res["agree"])
+        assert res["buckets"] > 1
+        assert res["steps"] == (8, 8)
+        for a, b in zip(res["final"], res["resumed"]):
+            assert torch.equal(a, b)
+        for a, b in zip(res["final"], res["at_save"]):  # training went on after the checkpoint
+            assert not torch.equal(a, b)
+        for a, b in zip(res["final"], results[0]["final"]):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(delay=2), "delay must be 0 or 1"),
+    (dict(delay=True), "delay must be 0 or 1"),
+    (dict(delay=1, overlap=True), "cannot be combined with overlap=True"),
+])
+def test_bad_delay_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        dlion.DistributedLion([torch.zeros(3, requires_grad=True)], **kwargs)
