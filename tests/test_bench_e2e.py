@@ -24,7 +24,8 @@ def test_parse_methods_groups_and_errors():
 
 @pytest.mark.parametrize("mode", ["interleaved", "sequential"])
 def test_e2e_loopback_smoke(tmp_path, capsys, mode):
-    methods = ["compute", "sync-only", "g-lion", "g-lion-powersgd2", "d-mavo-1bit-ov", "d-mavo-pbit"]
+    methods = ["compute", "sync-only", "g-lion", "g-lion-powersgd2", "d-mavo-1bit-ov", "d-mavo-pbit",
+               "d-mavo-1bit-rt-dl"]
     rc = e2e.main(["--loopback", "--workers", "2", "--methods", ",".join(methods), "--steps", "3",
                    "--warmup", "1", "--n-layer", "1", "--n-embd", "32", "--block-size", "16",
                    "--synthetic", "--no-progress", "--out", str(tmp_path)]
@@ -62,12 +63,17 @@ def test_e2e_loopback_smoke(tmp_path, capsys, mode):
     # D-Lion MaVo, N = 2, ties zero: 1 bit up, at most base-3 (1.6 bits) back, (N-1)/N each, plus headers
     d = rows["d-mavo-1bit-ov"]
     assert (1 + 1) / 2 * n / 8 <= d["bytes_sent_per_rank_per_step"] <= 1.05 * (1 + 1.6) / 2 * n / 8 + 2 * 64 * 2 * 8
+    # delay=1 (a block of its own steps): every measured step's exchange, completed, in the window.
+    # N = 2, random ties: 1 bit up and 1 bit back, (N-1)/N each, plus headers; one exchange missing
+    # from the window (3 steps) would leave 5/6 of the lower bound.
+    d = rows["d-mavo-1bit-rt-dl"]
+    assert n / 8 <= d["bytes_sent_per_rank_per_step"] <= 1.05 * n / 8 + 2 * 64 * 2 * 8
     prof = rows["d-mavo-1bit-ov"]["profile_ms_per_step"]
     assert set(prof) <= {"dlion.contribute", "dlion.exchange", "dlion.apply"} and prof["dlion.apply"] > 0
     head = doc["headline"]["loopback"]
     assert head["statistic"] == "mean"  # the comparisons use mean step times (the cost of a run)
     mean = {m: r["ms_mean"] for m, r in rows.items()}
-    mavo = {m: mean[m] for m in ("d-mavo-1bit-ov", "d-mavo-pbit")}
+    mavo = {m: mean[m] for m in ("d-mavo-1bit-ov", "d-mavo-pbit", "d-mavo-1bit-rt-dl")}
     assert head["best_mavo"] == min(mavo, key=mavo.get)
     timed = {m: t for m, t in mean.items() if m not in ("compute", "sync-only")}
     assert head["fastest_overall"] == min(timed, key=timed.get)

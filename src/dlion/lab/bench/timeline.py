@@ -90,7 +90,7 @@ def rank_fn(rank: int, world: int, cfg: dict, emit) -> None:
 
     from .e2e.instrument import Instrument
     from .e2e.launch import _load_data, make_batches
-    from .e2e.methods import MethodRun
+    from .e2e.methods import MethodRun, applies_next_step
 
     torch.set_num_threads(1)
     train_ids, vocab = _load_data(cfg)
@@ -102,8 +102,11 @@ def rank_fn(rank: int, world: int, cfg: dict, emit) -> None:
         for method in cfg["methods"]:
             run = MethodRun(method, rank, cfg, vocab, inst)
             steps = []
+            # delay=1: the exchange runs on into the next step; a barrier or a pause between steps would hide it
+            back_to_back = applies_next_step(method)
             for it, (x, y) in enumerate(batches):
-                dist.barrier()
+                if not back_to_back or it == 0:
+                    dist.barrier()
                 rec.events, rec.on = [], it >= cfg["warmup"]
                 rec.t0 = t0 = time.perf_counter()
                 c0, p0 = os.times(), time.process_time()
@@ -115,7 +118,8 @@ def rank_fn(rank: int, world: int, cfg: dict, emit) -> None:
                 run.opt.step()
                 t_step = time.perf_counter() - t0
                 p1, c1 = time.process_time(), os.times()
-                time.sleep(0.02)  # let the completion callbacks of this step land before the next
+                if not back_to_back:
+                    time.sleep(0.02)  # let the completion callbacks of this step land before the next
                 if rec.on:
                     steps.append({"t0": t0, "fwd": t_fwd, "bwd_end": t_bwd, "step": t_step, "cpu": p1 - p0,
                                   "sys": c1.system - c0.system, "events": rec.events})

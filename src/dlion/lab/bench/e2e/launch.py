@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ..launch import env_worker, run_cluster, run_loopback
 from .instrument import Instrument
-from .methods import MethodRun
+from .methods import MethodRun, applies_next_step
 
 
 def make_batches(train_ids, cfg: dict, rank: int) -> list:
@@ -34,7 +34,9 @@ def run_methods(rank: int, world: int, cfg: dict, train_ids, vocab_size: int,
 
     Interleaved (default): all methods are built first, then take turns step by step (the
     order rotating every round) with an untimed barrier before each step, so that every
-    method sees the same machine load. Sequential: one method after another, no barriers."""
+    method sees the same machine load. Sequential: one method after another, no barriers.
+    Methods with ``delay=1`` (``-dl``) always run as a block of their own steps, first: their
+    exchange runs on into their next step, which another method's step must not stand in for."""
     torch.set_num_threads(1)
     inst = Instrument()
     inst.install()
@@ -50,18 +52,23 @@ def run_methods(rank: int, world: int, cfg: dict, train_ids, vocab_size: int,
 
     try:
         batches = make_batches(train_ids, cfg, rank)
-        if cfg["sequential"]:
-            for m in methods:
-                run = make(m)
-                dist.barrier()
-                for it, (x, y) in enumerate(batches):
-                    run.step(x, y, it >= cfg["warmup"])
-                    if rank == 0:
-                        emit({"tick": 1})
-                run.profile(batches[:cfg.get("profile_steps", 3)])
-                emit(run.result())
-                del run
-                gc.collect()  # free this method's model, DDP reducer and optimizer before the next
+        # A delay=1 method's exchange runs on until its next step: another method's step in between
+        # would hide it, so those methods always run as a block of their own steps.
+        blocks = methods if cfg["sequential"] else [m for m in methods if applies_next_step(m)]
+        for m in blocks:
+            run = make(m)
+            dist.barrier()
+            for it, (x, y) in enumerate(batches):
+                run.step(x, y, it >= cfg["warmup"])
+                if rank == 0:
+                    emit({"tick": 1})
+            run.end_measure()
+            run.profile(batches[:cfg.get("profile_steps", 3)])
+            emit(run.result())
+            del run
+            gc.collect()  # free this method's model, DDP reducer and optimizer before the next
+        methods = [m for m in methods if m not in blocks]
+        if not methods:
             return
         runs = [make(m) for m in methods]
         for it, (x, y) in enumerate(batches):

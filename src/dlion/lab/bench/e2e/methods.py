@@ -38,6 +38,11 @@ def split_momentum_sync(method: str) -> tuple[str, object]:
     return m.group(1), "doubling" if k == "d" else int(k)
 
 
+def applies_next_step(method: str) -> bool:
+    """A D-Lion method with ``delay=1``: its Δ is applied, and its exchange waited for, in its next step."""
+    return method.startswith("d-") and "dl" in split_momentum_sync(method)[0].split("-")[3:]
+
+
 def is_method(name: str) -> bool:
     return split_momentum_sync(name)[0] in METHODS
 GROUPS = {
@@ -249,7 +254,14 @@ class MethodRun:
 
     def step(self, x, y, measure: bool) -> None:
         inst = self.inst
+        first_wait = 0.0
         if measure and self._start is None:  # first measured step: bytes and profile from here on
+            if applies_next_step(self.method):
+                # the warm-up's last exchange completes here (its bytes before the window), and the wait
+                # counts in this step: every measured step then waits for exactly one exchange
+                t = time.perf_counter()
+                self.opt._settle()
+                first_wait = time.perf_counter() - t
             stats = getattr(self.opt, "comm_stats", None) or getattr(getattr(self, "hook_state", None), "comm_stats", None)
             self._start = ((stats.bytes_sent, stats.bytes_received) if stats is not None else None, dict(self.tally))
             local = getattr(self.opt, "local_stats", None)
@@ -275,7 +287,7 @@ class MethodRun:
                 self._end = (stats.bytes_sent, stats.bytes_received)
                 local = getattr(self.opt, "local_stats", None)
                 self._local_end = local.bytes_sent if local is not None else 0
-            self.step_s.append(t2 - t0)
+            self.step_s.append(t2 - t0 + first_wait)
             self.fwd_bwd_s.append(t1 - t0)
         self.losses.append(float(loss.detach()))
 
@@ -296,6 +308,14 @@ class MethodRun:
         torch.distributed.barrier()  # every rank's share of the step has crossed (plus this barrier)
         if self.uplink_counter is not None:
             self.uplink_bytes = getattr(self, "uplink_bytes", 0) + self.uplink_counter() - self._uplink_mark
+
+    def end_measure(self) -> None:
+        """After the last measured step: a ``delay=1`` method's last exchange completes (untimed:
+        the first measured step waited for one already), so its bytes count in the window."""
+        if applies_next_step(self.method) and self._start is not None:
+            self.opt._settle()
+            stats = self.opt.comm_stats
+            self._end = (stats.bytes_sent, stats.bytes_received)
 
     def profile(self, batches: list) -> None:
         """D-Lion only: a few more (untimed) steps under ``torch.profiler``; the milliseconds per
