@@ -203,3 +203,61 @@ def test_ranks_agree_every_step_and_a_checkpoint_resumes_bitwise():
 def test_bad_delay_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         dlion.DistributedLion([torch.zeros(3, requires_grad=True)], **kwargs)
+
+
+def _train(model, opt, rank, start, steps):
+    for t in range(start, start + steps):
+        x, y = _batch(rank, t)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def _fresh(rank, **kw):
+    torch.manual_seed(rank)
+    model = _Net()
+    return model, dlion.DistributedLion(model.parameters(), lr=1e-2, weight_decay=0.1, bucket_cap_mb=0.001,
+                                        ties="random", delay=1, **kw)
+
+
+def checkpoint_save_worker(rank, world, path, k, sharded):
+    """2K steps without a checkpoint, and 2K steps with ``dlion.checkpoint.save`` (which checks the
+    replicas) after step K: the checkpoint must not change the trajectory."""
+    from dlion import checkpoint
+
+    model, opt = _fresh(rank)
+    _train(model, opt, rank, 0, 2 * k)
+    opt.flush()
+    plain = [p.detach().clone() for p in model.parameters()]
+    model, opt = _fresh(rank)
+    _train(model, opt, rank, 0, k)
+    checkpoint.save(path, model, opt, sharded=sharded)
+    _train(model, opt, rank, k, k)
+    opt.flush()
+    return dict(plain=plain, saved=[p.detach().clone() for p in model.parameters()])
+
+
+def checkpoint_load_worker(rank, world, path, k):
+    from dlion import checkpoint
+
+    model, opt = _fresh(rank)
+    checkpoint.load(path, model, opt)
+    _train(model, opt, rank, k, k)
+    opt.flush()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_dlion_checkpoint_keeps_the_pending_delta_and_resumes_bitwise_or_resized(tmp_path, sharded):
+    path = str(tmp_path / ("ckpt" if sharded else "ckpt.pt"))
+    saved = spawn(checkpoint_save_worker, 3, path, 3, sharded)
+    for res in saved:
+        for a, b, c in zip(res["plain"], res["saved"], saved[0]["plain"]):
+            assert torch.equal(a, b) and torch.equal(a, c)
+    resumed = spawn(checkpoint_load_worker, 3, path, 3)
+    for res in resumed:
+        for a, b in zip(res, saved[0]["plain"]):
+            assert torch.equal(a, b)
+    resized = spawn(checkpoint_load_worker, 2, path, 3)  # momenta averaged; the pending Δ still applied
+    for a, b in zip(resized[0], resized[1]):
+        assert torch.equal(a, b)

@@ -160,8 +160,10 @@ class DistributedLion(Lion):
             being waited for (one step of staleness, as in delayed gradient averaging).
             ``step()`` applies the previous step's Δ, then sends this one; each rank updates
             its momentum at once. Call :meth:`flush` after the last step (and before
-            evaluating, if the last Δ matters); ``state_dict()``, :meth:`check_replicas` and
-            :meth:`synchronize_momenta` flush first. ``step_count`` counts applied steps. A
+            evaluating, if the last Δ matters). ``state_dict()`` carries the Δ not yet applied, so a
+            checkpoint neither loses nor applies it early, and nothing but ``step()`` and
+            :meth:`flush` applies it (checkpoints and replica checks do not change the
+            trajectory). ``step_count`` counts applied steps. A
             step skipped for inf/NaN gradients leaves parameters unchanged on every rank, as
             without delay, but the ranks with finite gradients have already updated their
             momenta. Needs ``overlap=False`` (the whole exchange overlaps the next step
@@ -704,7 +706,7 @@ class DistributedLion(Lion):
         Costs 2·(N−1)/N·32 bits per trainable parameter each way when it runs."""
         if self.world_size == 1:
             return
-        self.flush()
+        self._settle()  # (delay=1: no collective of the exchange thread's may interleave; Δ stays pending)
         average_momenta(self._buffers, self._first, self.world_size)
 
     @torch.no_grad()
@@ -714,7 +716,7 @@ class DistributedLion(Lion):
         parameter per rank through an all-gather)."""
         if self.world_size == 1:
             return
-        self.flush()
+        self._settle()  # (delay=1: every rank has applied the same Δs; the one in flight stays pending)
         work, everyone = self._first.issue("all_gather", checksum_table(self._params), "check")
         work.wait()
         raise_if_diverged(everyone, self._params, self.world_size, "DistributedLion", self.step_count)
