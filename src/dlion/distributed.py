@@ -169,7 +169,9 @@ class DistributedLion(Lion):
             momenta. Needs ``overlap=False`` (the whole exchange overlaps the next step
             already) and no ``GradScaler``. Collectives of your own on ``process_group``
             during a step are safe only on the default group (``process_group=None``),
-            where the exchange thread uses a group of its own.
+            where the exchange thread uses a group of its own. The staleness is not free: on
+            a small-batch 4-rank MaVo workload it slowed convergence badly (docs/benchmarks.md);
+            check convergence on yours.
 
     Parameters with ``requires_grad=False`` are never communicated and get no
     momentum. A parameter whose ``.grad`` is ``None`` on some ranks abstains there;
