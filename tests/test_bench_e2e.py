@@ -7,6 +7,22 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from dlion.lab.bench import e2e  # noqa: E402
+from dlion.lab.bench.e2e.methods import applies_next_step, split_momentum_sync  # noqa: E402
+
+
+def test_momentum_sync_and_delay_suffixes():
+    assert e2e.parse_methods("d-mavo-1bit-ov-rt-ms100,d-avg-1bit-ov-msd") == ["d-mavo-1bit-ov-rt-ms100",
+                                                                           "d-avg-1bit-ov-msd"]
+    assert split_momentum_sync("d-mavo-1bit-ov-rt-ms100") == ("d-mavo-1bit-ov-rt", 100)
+    assert split_momentum_sync("d-avg-1bit-ov-msd") == ("d-avg-1bit-ov", "doubling")
+    assert split_momentum_sync("d-mavo-1bit") == ("d-mavo-1bit", "none")
+    assert e2e.label("d-mavo-1bit-ov-rt-ms100") == "D-Lion MaVo 1bit +overlap +random ties +momentum sync /100"
+    assert e2e.label("d-mavo-1bit-rt-1b-dl") == "D-Lion MaVo 1bit +random ties, one bucket +delay 1"
+    assert applies_next_step("d-mavo-1bit-rt-dl") and applies_next_step("d-mavo-1bit-rt-1b-dl-ms10")
+    assert not applies_next_step("d-mavo-1bit-ov-rt") and not applies_next_step("g-lion")
+    for bad in ("g-lion-ms10", "d-mavo-1bit-ms0", "d-mavo-2bit-ms10", "d-mavo-1bit-msx"):
+        with pytest.raises(ValueError):
+            e2e.parse_methods(bad)
 
 
 def test_parse_methods_groups_and_errors():

@@ -45,6 +45,8 @@ def applies_next_step(method: str) -> bool:
 
 def is_method(name: str) -> bool:
     return split_momentum_sync(name)[0] in METHODS
+
+
 GROUPS = {
     "all": BASELINES + DLION,
     "hier": HIER,
