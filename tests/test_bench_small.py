@@ -60,3 +60,21 @@ def test_timeline_summary_pools_ranks_and_measures_the_span_of_each_step():
     assert s["collectives_per_step"] == 2 and s["bytes_issued_per_step_rank0"] == 140
     assert abs(s["first_issue_ms_mean"] - 20.0) < 1e-9 and abs(s["last_done_ms_mean"] - 110.0) < 1e-9
     assert s["training_thread_cpu_ms_per_step"] == 7.0
+
+
+def test_wire_bench_on_loopback_counts_one_bit_each_way_idle_and_busy(tmp_path, capsys):
+    import json
+
+    from dlion.lab.bench import wire
+
+    n = 20_000
+    assert wire.main(["--loopback", "--workers", "2", "--params", str(n), "--steps", "2", "--warmup", "1",
+                      "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^loopback\s+idle\s+[\d.]+", out, re.M) and re.search(r"^loopback\s+busy\s+[\d.]+", out, re.M)
+    doc = json.loads((tmp_path / "wire.json").read_text())
+    for mode in ("idle", "busy"):
+        row = doc["summary"]["loopback"][mode]
+        # N = 2, random ties: 1 bit up and 1 bit back, each (N-1)/N of the values, plus small headers
+        assert n / 8 <= row["bytes_sent_per_step"] <= 1.02 * n / 8 + 256
+        assert len(doc["raw"]["loopback"]) == 2 and len(doc["raw"]["loopback"][0][mode]["step_s"]) == 2

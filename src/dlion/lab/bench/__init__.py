@@ -6,6 +6,7 @@
 * ``e2e``     end-to-end step time on an emulated slow network (virtual cluster)
 * ``ttq``     time to a target validation loss per link rate (curves from real ranks × e2e step times)
 * ``timeline`` per step: phases, each collective's issue and completion, CPU time against the CPU floor
+* ``wire``    D-Lion's exchange alone on a shaped link, CPU idle and busy: how much of the link it uses
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ("codec", "comm", "overlap", "e2e", "ttq", "timeline")
+BENCHMARKS = ("codec", "comm", "overlap", "e2e", "ttq", "timeline", "wire")
 
 
 def main(argv: list[str]) -> int:
