@@ -262,3 +262,20 @@ def test_dlion_checkpoint_keeps_the_pending_delta_and_resumes_bitwise_or_resized
     resized = spawn(checkpoint_load_worker, 2, path, 3, vote)
     for a, b in zip(resized[0], resized[1]):
         assert torch.equal(a, b)
+
+
+def scaler_worker(rank, world):
+    p = torch.ones(8, requires_grad=True)
+    opt = dlion.DistributedLion([p], lr=0.1, delay=1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale((p * (rank + 1)).sum()).backward()
+    try:
+        scaler.step(opt)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_gradscaler_is_refused_with_delay_on_every_rank():
+    for err in spawn(scaler_worker, 2):
+        assert err is not None and "delay=1" in err and "GradScaler" in err

@@ -353,7 +353,7 @@ def test_sparse_gradient_on_one_rank_stops_every_rank_and_changes_nothing():
 # -- misuse that used to desynchronise silently ----------------------------------------
 
 def option_mismatch_worker(rank, world, option):
-    kwargs = {"vote": "avg", "ties": "random", "comm": "pbit", "bucket_cap_mb": 1.0}[option]
+    kwargs = {"vote": "avg", "ties": "random", "comm": "pbit", "bucket_cap_mb": 1.0, "delay": 1}[option]
     p = torch.ones(4, requires_grad=True)
     try:
         dlion.DistributedLion([p], lr=0.1, **({option: kwargs} if rank == 1 else {}))
@@ -362,7 +362,7 @@ def option_mismatch_worker(rank, world, option):
     return None
 
 
-@pytest.mark.parametrize("option", ["vote", "ties", "comm", "bucket_cap_mb"])
+@pytest.mark.parametrize("option", ["vote", "ties", "comm", "bucket_cap_mb", "delay"])
 def test_options_that_differ_between_ranks_raise_at_construction_on_every_rank(option):
     for err in spawn(option_mismatch_worker, 2, option, timeout_s=30):
         assert err is not None and "ranks disagree on the optimizer's options" in err and option in err
