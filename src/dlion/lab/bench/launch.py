@@ -137,3 +137,19 @@ def run_cluster(cmd: list[str], world: int, links: Sequence[str], *, prefix: str
             yield link, got, results
             if exit_code(results):
                 return
+
+
+def report_failure(results: list) -> int:
+    """The exit code of a virtual-cluster run (:func:`dlion.lab.cluster.exit_code`); when it is
+    not 0, every failed rank's exit status and the tail of its stderr go to our stderr."""
+    import sys
+
+    from dlion.lab.cluster import exit_code
+
+    code = exit_code(results)
+    if code:
+        for r in results:
+            if not r.ok:
+                sys.stderr.write(f"[rank {r.rank}] exit {r.returncode}"
+                                 f"{' (timed out)' if r.timed_out else ''}\n{r.stderr[-3000:]}\n")
+    return code

@@ -26,7 +26,7 @@ import time
 import torch
 from torch import nn
 
-from .launch import env_worker, run_cluster, run_loopback
+from .launch import env_worker, report_failure, run_cluster, run_loopback
 
 
 def build_model(width: int, depth: int) -> nn.Module:
@@ -115,14 +115,11 @@ def main(argv: list[str]) -> int:
     if args.loopback:
         report(run_loopback(_rank, args.workers, args, timeout_s=900)[0][0], args, "loopback (no shaping)")
         return 0
-    from dlion.lab.cluster import exit_code
-
     cmd = [sys.executable, "-m", "dlion", "bench", "overlap", "--worker"] + [a for a in argv if a != "--worker"]
     runs = list(run_cluster(cmd, args.workers, [args.link], prefix=f"dlov{os.getpid() % 10000}", timeout=1800))
     _, per_rank, results = runs[0]  # one link, one run; the cluster is torn down by now
-    if exit_code(results):
-        for r in results:
-            sys.stderr.write(f"[rank {r.rank}] exit {r.returncode}\n{r.stderr[-2000:]}\n")
-        return exit_code(results)
+    code = report_failure(results)
+    if code:
+        return code
     report(per_rank[0][0], args, f"virtual cluster, {args.link} links")
     return 0

@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from .launch import env_worker, run_cluster
+from .launch import env_worker, report_failure, run_cluster
 
 _COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_gather_single", "all_reduce")
 #: the library's functions whose CPU time the report lists (cumulative: callees included)
@@ -266,8 +266,6 @@ def main(argv: list[str]) -> int:
            "seed": 0, "synthetic": False, "ties": "zero", "timeout": 900, "sequential": True, "methods": methods,
            "nodes": None, "per_node": None, "profile_steps": args.profile_steps, "fused": args.fused}
     cmd = [sys.executable, "-m", "dlion", "bench", "timeline", "--worker", json.dumps(cfg)]
-    from dlion.lab.cluster import exit_code
-
     cores = os.cpu_count() or 1
     doc = {"benchmark": "dlion bench timeline", "command": "dlion bench timeline " + " ".join(argv),
            "workers": args.workers, "cores": cores, "links": links, "methods": methods, "config": cfg,
@@ -275,10 +273,9 @@ def main(argv: list[str]) -> int:
     t_start = time.time()
     for link, per_rank, results in run_cluster(cmd, args.workers, links, prefix=f"dltl{os.getpid() % 10000}",
                                                timeout=1800):
-        if exit_code(results):
-            for r in results:
-                sys.stderr.write(f"[rank {r.rank}] exit {r.returncode}\n{r.stderr[-2000:]}\n")
-            return exit_code(results)
+        code = report_failure(results)
+        if code:
+            return code
         by_method: dict = {}
         for rank_results in per_rank:
             for d in rank_results:

@@ -81,15 +81,11 @@ def rank_fn(rank: int, world: int, cfg: dict, emit) -> None:
     emit(result)
 
 
-def _rate_bps(link: str):
+def summarize(link: str, per_rank: list, reference: dict | None) -> dict:
     from dlion.lab.cluster import parse_rate
 
-    return parse_rate(link)
-
-
-def summarize(link: str, per_rank: list, reference: dict | None) -> dict:
     rows = {}
-    rate = _rate_bps(link) if link != "loopback" else None
+    rate = parse_rate(link) if link != "loopback" else None
     for mode in ("idle", "busy"):
         times = [t for r in per_rank for t in r[mode]["step_s"]]
         nbytes = statistics.mean(r[mode]["bytes_sent_per_step"] for r in per_rank)
@@ -136,7 +132,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join("runs", "bench-wire"))
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    from .launch import env_worker, run_cluster, run_loopback
+    from .launch import env_worker, report_failure, run_cluster, run_loopback
 
     if args.worker is not None:
         return env_worker(rank_fn, json.loads(args.worker), timeout_s=900)
@@ -152,16 +148,13 @@ def main(argv=None) -> int:
     reference = summarize("loopback", doc["raw"]["loopback"], None)
     doc["summary"]["loopback"] = reference
     if not args.loopback:
-        from dlion.lab.cluster import exit_code
-
         links = [t.strip() for t in args.link.split(",") if t.strip()]
         cmd = [sys.executable, "-m", "dlion", "bench", "wire", "--worker", json.dumps(cfg)]
         for link, got, results in run_cluster(cmd, args.workers, links, prefix=f"dlwr{os.getpid() % 10000}",
                                               timeout=1800):
-            if exit_code(results):
-                for r in results:
-                    sys.stderr.write(f"[rank {r.rank}] exit {r.returncode}\n{r.stderr[-2000:]}\n")
-                return exit_code(results)
+            code = report_failure(results)
+            if code:
+                return code
             doc["raw"][link] = [g[0] for g in got]
             doc["summary"][link] = summarize(link, doc["raw"][link], reference)
     doc["wall_s"] = time.time() - t0

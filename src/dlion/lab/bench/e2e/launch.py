@@ -14,7 +14,7 @@ from typing import Callable, NoReturn, Optional
 import torch
 import torch.distributed as dist
 
-from ..launch import env_worker, run_cluster, run_loopback
+from ..launch import env_worker, report_failure, run_cluster, run_loopback
 from .instrument import Instrument
 from .methods import MethodRun, applies_next_step
 
@@ -159,7 +159,7 @@ def run_e2e_loopback(args, cfg: dict, raw: dict, bar) -> Optional[str]:
 
 
 def run_e2e_cluster(args, cfg: dict, links: list, raw: dict, bar) -> Optional[str]:
-    from dlion.lab.cluster import ClusterError, RootRequiredError, exit_code
+    from dlion.lab.cluster import ClusterError, RootRequiredError
 
     prefix = args.prefix or f"dle{os.getpid() % 100000}"
     cmd = [sys.executable, "-m", "dlion.lab.bench.e2e", "--worker", json.dumps(cfg)]
@@ -170,12 +170,9 @@ def run_e2e_cluster(args, cfg: dict, links: list, raw: dict, bar) -> Optional[st
                                             on_link=None if bar is None else bar.set_postfix_str)) as runs:
             for link, per_rank, results in runs:
                 raw[link] = _by_method(per_rank)
-                if exit_code(results):
-                    for r in results:
-                        if not r.ok:
-                            sys.stderr.write(f"[rank {r.rank}] exit {r.returncode}"
-                                             f"{' (timed out)' if r.timed_out else ''}\n{r.stderr[-3000:]}\n")
-                    return f"link {link}: exit {exit_code(results)}"
+                code = report_failure(results)
+                if code:
+                    return f"link {link}: exit {code}"
     except RootRequiredError as e:
         print(f"dlion bench e2e: {e}\nUse --loopback to run without namespaces and shaping.", file=sys.stderr)
         return "no root"
