@@ -115,6 +115,16 @@ def layout_buckets(params: list[Tensor], groups: list[dict], world: int, cap_mb:
     return buckets
 
 
+def rebind_groups(buckets, param_groups: list) -> list[dict]:
+    """Point every bucket (or slice of one) at the dict of ``param_groups`` that now holds its
+    parameters, and return the group of each parameter. ``load_state_dict`` replaces every group
+    dict; without this, lr or weight decay set afterwards (by a scheduler) would never be read."""
+    groups = [g for g in param_groups for _ in g["params"]]
+    for b in buckets:
+        b.group = groups[b.indices[0]]
+    return groups
+
+
 class RankBuffers:
     """One rank's flat buffers for one bucket (the simulator keeps N of these): momentum,
     gradient, the int8 contribution and ``work`` (c while contributing, Δ while applying)."""

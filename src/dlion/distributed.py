@@ -55,7 +55,8 @@ from torch.profiler import record_function
 from .aggregation import VoteRule, coin_key
 from .algorithms import (ALGORITHMS, BAD, NONFINITE, Contribution, Outcome, WireState, choose_algorithm,
                          make_algorithm, run_compacted)
-from .buckets import Bucket, LeftOut, RankBuffers, Scratch, apply_codes, contribute, layout_buckets, update_momentum
+from .buckets import (Bucket, LeftOut, RankBuffers, Scratch, apply_codes, contribute, layout_buckets, rebind_groups,
+                      update_momentum)
 from .collectives import CommStats, GroupTransport
 from .pipeline import Flight, Pipeline
 from .lion import Lion, param_tensors, check_grad
@@ -781,6 +782,7 @@ class DistributedLion(Lion):
                 "keeps one momentum per node, sharded across the node's ranks; DistributedLion keeps one per rank. "
                 "Resume with HierarchicalDistributedLion on the same mesh.")
         super().load_state_dict(state_dict)
+        self._group_of = rebind_groups(self.buckets, self.param_groups)
         # The momenta live in the buckets' flat buffers: copy the loaded values in and re-point the state.
         for b, buf in zip(self.buckets, self._buffers):
             for p, view in zip(b.params, buf.momentum_views):

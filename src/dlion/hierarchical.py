@@ -41,7 +41,8 @@ from torch import Tensor
 
 from .aggregation import VoteRule, coin_key
 from .algorithms import BAD, NONFINITE, Contribution, Outcome, WireState, choose_algorithm, make_algorithm
-from .buckets import Bucket, RankBuffers, Scratch, apply_scaled_delta, contribute, layout_buckets, update_momentum
+from .buckets import (Bucket, RankBuffers, Scratch, apply_scaled_delta, contribute, layout_buckets, rebind_groups,
+                      update_momentum)
 from .collectives import CommStats, GroupTransport
 from .pipeline import Flight, Pipeline
 from .distributed import (DesyncError, average_momenta, check_options, checksum_table, momentum_sync_due,
@@ -578,6 +579,7 @@ class HierarchicalDistributedLion(Lion):
         sd = dict(state_dict)
         sd.pop("dlion", None)
         super().load_state_dict(sd)
+        self._group_of = rebind_groups([*self.buckets, *getattr(self, "_slices", [])], self.param_groups)
         for b in self.buckets:
             for p in b.params:
                 st = self.state[p]
