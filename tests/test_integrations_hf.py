@@ -196,3 +196,93 @@ def test_refusals_and_defaults(tmp_path):
     out, = spawn(refusals_worker, 1, str(tmp_path), timeout_s=PG_TIMEOUT_S)
     assert out["overlap_ok"]
     assert out["default"] == ("DistributedLion", 1e-4, [0.0, 0.1])
+
+
+OPT_DELAY = (dlion.DistributedLion, {**OPT[1], "delay": 1})
+
+
+class Recorder(TrainerCallback):
+    """What a replay needs: the parameters the optimizer starts from, each step's (clipped)
+    gradients and learning rates, the learning rates at the end of each step (the
+    scheduler has stepped), and the parameters each evaluation sees."""
+
+    def __init__(self):
+        self.start, self.steps, self.evaluated, self.groups, self.end_lrs = None, [], [], None, []
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kw):
+        params = list(model.parameters())
+        index = {id(p): i for i, p in enumerate(params)}
+        self.start = [p.detach().clone() for p in params]
+        self.groups = [([index[id(p)] for p in g["params"]], g["weight_decay"]) for g in optimizer.param_groups]
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kw):
+        self.steps.append(([None if p.grad is None else p.grad.detach().clone() for p in model.parameters()],
+                           [g["lr"] for g in optimizer.param_groups]))
+
+    def on_step_end(self, args, state, control, optimizer=None, **kw):
+        self.end_lrs.append([g["lr"] for g in optimizer.param_groups])
+
+    def on_evaluate(self, args, state, control, model=None, **kw):
+        self.evaluated.append((state.global_step, [p.detach().clone() for p in model.parameters()]))
+
+
+def replay(rec: Recorder, flush_after: set) -> tuple:
+    """The recorded run, step by step, through a fresh DistributedLion(delay=1): flush() after
+    the steps in ``flush_after``, with the lrs the end of that step had (a Δ is applied at
+    the lr its group holds then). Returns (parameters after each flush, final parameters)."""
+    params = [t.clone().requires_grad_(True) for t in rec.start]
+    groups = [{"params": [params[i] for i in idx], "weight_decay": wd} for idx, wd in rec.groups]
+    opt = dlion.DistributedLion(groups, **OPT_DELAY[1])
+    flushed = []
+    for step, (grads, lrs) in enumerate(rec.steps, start=1):
+        for p, g in zip(params, grads):
+            p.grad = g
+        for group, lr in zip(opt.param_groups, lrs):
+            group["lr"] = lr
+        opt.step()
+        if step in flush_after:
+            for group, lr in zip(opt.param_groups, rec.end_lrs[step - 1]):
+                group["lr"] = lr
+            opt.flush()
+            flushed.append((step, [p.detach().clone() for p in params]))
+    return flushed, [p.detach().clone() for p in params]
+
+
+def delay_worker(rank, world, tmp):
+    start_worker(rank, world)
+    try:
+        rec = Recorder()
+        trainer = dlion_hf.DLionTrainer(model=tiny_gpt2(seed=rank), train_dataset=TokenData(n=64),
+                                        eval_dataset=TokenData(n=8, seed=1), optimizer_cls_and_kwargs=OPT_DELAY,
+                                        args=make_args(os.path.join(tmp, "d"), eval_strategy="steps", eval_steps=K,
+                                                       lr_scheduler_type="constant_with_warmup", warmup_steps=2),
+                                        callbacks=[rec])
+        trainer.train()
+        final = [p.detach().clone() for p in trainer.model.parameters()]
+        flushed, ref_final = replay(rec, {K, 2 * K})
+        unflushed, ref_lagging = replay(rec, set())  # the delayed rule with nothing applied early
+        return {"final": final, "evaluated": rec.evaluated, "ref_flushed": flushed, "ref_final": ref_final,
+                "ref_lagging": ref_lagging, "steps": len(rec.steps), "lrs": [lrs for _, lrs in rec.steps],
+                "in_flight": trainer.dlion_optimizer._in_flight is not None}
+    finally:
+        stop_watchdog()
+
+
+def test_trainer_applies_the_delayed_step_before_evaluating_saving_and_at_the_end(tmp_path):
+    """delay=1: what the Trainer evaluates (at step K, also a checkpoint step) and what train()
+    leaves in the model equal a replay of the run's own gradients and lrs through a fresh
+    DistributedLion(delay=1) that calls flush() after step K and after the last step."""
+    require_proc_io()
+    res = spawn(delay_worker, WORLD, str(tmp_path), timeout_s=PG_TIMEOUT_S)
+    for rank, r in enumerate(res):
+        assert r["steps"] == 2 * K and not r["in_flight"]
+        assert [s for s, _ in r["evaluated"]] == [K, 2 * K]
+        assert [s for s, _ in r["ref_flushed"]] == [K, 2 * K]
+        for (step, seen), (_, ref) in zip(r["evaluated"], r["ref_flushed"]):
+            assert all(torch.equal(a, b) for a, b in zip(seen, ref)), f"rank {rank}: evaluated params at {step}"
+        assert all(torch.equal(a, b) for a, b in zip(r["final"], r["ref_final"])), f"rank {rank}: final params"
+        # The lr changed during the warm-up and ends > 0; without the flushes the last Δ would be
+        # missing, and the replay tells the difference.
+        assert len({lrs[0] for lrs in r["lrs"]}) == 3 and r["lrs"][-1][0] > 0
+        assert not all(torch.equal(a, b) for a, b in zip(r["final"], r["ref_lagging"]))
+        assert all(torch.equal(a, b) for a, b in zip(r["final"], res[0]["final"]))

@@ -177,3 +177,78 @@ def test_strategy_is_registered_and_overrides_are_pinned():
         trainer_module.Trainer.save_checkpoint)
     assert "strategy.load_optimizer_state_dict(self._loaded_checkpoint)" in inspect.getsource(
         checkpoint_connector._CheckpointConnector.restore_optimizers)
+
+
+class TinyLMDelayed(TinyLM):
+    """TinyLM with DistributedLion(delay=1) and a validation set."""
+
+    def configure_optimizers(self):
+        return dlion.DistributedLion(self.parameters(), lr=3e-3, weight_decay=0.1, comm="1bit", delay=1)
+
+    def validation_step(self, batch, batch_idx):
+        return self.training_step(batch, batch_idx)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(TokenData(n=8, vocab=VOCAB, seed=1), batch_size=4)
+
+
+class Recorder(L.Callback):
+    """The parameters the optimizer starts from, each optimizer step's gradients, and the
+    parameters each validation sees (its first batch: after every hook of its start)."""
+
+    def __init__(self):
+        self.start, self.grads, self.validated = None, [], []
+
+    def on_train_start(self, trainer, pl_module):
+        self.start = [p.detach().clone() for p in pl_module.parameters()]
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grads.append([p.grad.detach().clone() for p in pl_module.parameters()])
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if batch_idx == 0:
+            self.validated.append((trainer.global_step, [p.detach().clone() for p in pl_module.parameters()]))
+
+
+def replay(rec: Recorder, flush_after: set) -> tuple:
+    params = [t.clone().requires_grad_(True) for t in rec.start]
+    opt = dlion.DistributedLion(params, lr=3e-3, weight_decay=0.1, comm="1bit", delay=1)
+    flushed = []
+    for step, grads in enumerate(rec.grads, start=1):
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        if step in flush_after:
+            opt.flush()
+            flushed.append((step, [p.detach().clone() for p in params]))
+    return flushed, [p.detach().clone() for p in params]
+
+
+def delay_worker(rank, world, tmp):
+    start_worker(rank, world)
+    try:
+        rec = Recorder()
+        model = TinyLMDelayed(seed=rank)
+        make_trainer(tmp, callbacks=[rec], check_val_every_n_epoch=1).fit(model)
+        flushed, ref_final = replay(rec, {STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH})
+        _, ref_lagging = replay(rec, set())
+        return {"final": [p.detach().clone() for p in model.parameters()], "validated": rec.validated,
+                "ref_flushed": flushed, "ref_final": ref_final, "ref_lagging": ref_lagging, "steps": len(rec.grads)}
+    finally:
+        stop_watchdog()
+
+
+def test_strategy_applies_the_delayed_step_before_validating_and_at_the_end(tmp_path):
+    """delay=1: what each epoch's validation sees and what fit() leaves in the model equal a
+    replay of the run's own gradients through a fresh DistributedLion(delay=1) that calls
+    flush() after the last step of each epoch."""
+    require_proc_io()
+    res = spawn(delay_worker, WORLD, str(tmp_path), timeout_s=PG_TIMEOUT_S)
+    for rank, r in enumerate(res):
+        assert r["steps"] == 2 * STEPS_PER_EPOCH
+        assert [s for s, _ in r["validated"]] == [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH]
+        for (step, seen), (_, ref) in zip(r["validated"], r["ref_flushed"]):
+            assert all(torch.equal(a, b) for a, b in zip(seen, ref)), f"rank {rank}: validated params at {step}"
+        assert all(torch.equal(a, b) for a, b in zip(r["final"], r["ref_final"])), f"rank {rank}: final params"
+        assert not all(torch.equal(a, b) for a, b in zip(r["final"], r["ref_lagging"]))
+        assert all(torch.equal(a, b) for a, b in zip(r["final"], res[0]["final"]))

@@ -33,6 +33,10 @@ Accelerate's own ``optimizer.bin`` in the folder holds rank 0's state only (Acce
 writes it from the main process); the per-rank files are what :func:`prepare`'s
 hook loads, after Accelerate has loaded ``optimizer.bin``.
 
+With ``DistributedLion(delay=1)``, call ``optimizer_of(opt).flush()`` on every rank after the
+last step and before evaluating: a hand-written loop has no point where the adapter could
+apply the pending Δ for you (checkpoints carry it either way).
+
 Not supported: DeepSpeed, FSDP, Megatron-LM (they own the gradients), and fp16
 with a ``GradScaler`` (the scaler skips ``step()`` on a rank whose gradients
 overflowed while the other ranks wait for its vote; use bf16, or fp32, and
@@ -57,7 +61,7 @@ from ..distributed import DistributedLion
 from ._common import (CommMeter, check_version, load_rank_state, require_dlion, require_method, save_rank_state,
                       unwrap_optimizer)
 
-__all__ = ["prepare", "CommMeter", "RankOptimizerState"]
+__all__ = ["prepare", "optimizer_of", "CommMeter", "RankOptimizerState"]
 
 check_version("accelerate")
 # Public methods, but the adapter relies on their exact behaviour (tests pin it).

@@ -19,7 +19,10 @@
   ``optimizer.pt`` from the main process only and loads it on every rank, which
   would replace every rank's momentum by rank 0's;
 * adds the communication figures of the steps since the previous log to each
-  training log (``comm/bytes_sent_per_step``, ``comm/bits_per_param_per_step``, ...).
+  training log (``comm/bytes_sent_per_step``, ``comm/bits_per_param_per_step``, ...);
+* with ``DistributedLion(delay=1)``, applies the step in flight (``flush()``) at the end
+  of every step after which the Trainer evaluates, saves or stops, so that what it
+  evaluates, saves and returns has every step applied (:class:`ApplyDelayedStep`).
 
 Usage — the only change from a plain Trainer script is the class and the optimizer::
 
@@ -53,14 +56,14 @@ import warnings
 from typing import Optional
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 from transformers.training_args import ParallelMode
 
 from ..distributed import DistributedLion
 from ._common import (CommMeter, check_version, load_rank_state, rank_state_exists_everywhere, require_dlion,
                       require_method, save_rank_state)
 
-__all__ = ["DLionTrainer", "OVERRIDDEN"]
+__all__ = ["DLionTrainer", "ApplyDelayedStep", "OVERRIDDEN"]
 
 #: The Trainer methods the adapter overrides, with the parameters it expects.
 OVERRIDDEN = {
@@ -78,6 +81,38 @@ for _name, _params in OVERRIDDEN.items():
 
 SCHEDULER_NAME = "scheduler.pt"
 OPTIMIZER_NAME = "optimizer.pt"
+
+
+class ApplyDelayedStep(TrainerCallback):
+    """``delay=1``: apply the Δ in flight before the Trainer evaluates, saves or stops.
+
+    Added by :class:`DLionTrainer` after every other callback, so the control flags
+    it reads are final for the step. ``flush()`` is collective; the flags are the
+    same on every rank (they follow the step count, and an early stop follows
+    metrics that the Trainer has gathered). The next ``step()`` then has nothing to
+    apply: the run's trajectory is the delayed rule with the pending Δ applied at
+    those steps, the same on every rank and after a resume."""
+
+    def __init__(self, trainer: "DLionTrainer"):
+        self.trainer = trainer
+
+    def _flush(self) -> None:
+        if self.trainer.optimizer is not None:
+            self.trainer.dlion_optimizer.flush()  # nothing to do without delay or with nothing in flight
+
+    def _maybe_flush(self, state, control) -> None:
+        if (control.should_evaluate or control.should_save or control.should_training_stop
+                or (state.max_steps > 0 and state.global_step >= state.max_steps)):
+            self._flush()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._maybe_flush(state, control)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._maybe_flush(state, control)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._flush()  # (already done at the last step; kept for a stop the flags did not show)
 
 
 class DLionTrainer(Trainer):
@@ -98,6 +133,7 @@ class DLionTrainer(Trainer):
         if self.optimizer_cls_and_kwargs is None and self.optimizer is None:
             self.optimizer_cls_and_kwargs = (DistributedLion, {"lr": self.args.learning_rate})
         self.comm_meter: Optional[CommMeter] = None
+        self.add_callback(ApplyDelayedStep(self))
 
     @property
     def dlion_optimizer(self) -> DistributedLion:

@@ -16,6 +16,11 @@ group, samplers, ``reduce``/``broadcast`` for metrics) except that
   the one file as usual; ``load_optimizer_state_dict`` gives rank r rank r's
   state. The usual ``optimizer_states`` entry stays (rank 0's), so the file also
   loads under the stock DDP strategy;
+* with ``DistributedLion(delay=1)``, the step in flight is applied (``flush()``) when
+  validation starts and when training ends, so that what is validated and what ``fit``
+  leaves in the model has every step applied. Checkpoints written between two steps hold
+  the parameters without the pending Δ and the optimizer state with it, so a resume
+  loses nothing;
 * :meth:`comm_figures` returns the communication figures of the optimizer steps
   since its previous call, a dict for ``self.log_dict`` (:class:`CommLogger`
   does that after every optimizer step).
@@ -57,7 +62,8 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ..distributed import DistributedLion
-from ._common import CommMeter, to_cpu, broadcast_buffers, check_version, require_dlion, require_method
+from ._common import (CommMeter, to_cpu, broadcast_buffers, check_version, require_dlion, require_method,
+                      unwrap_optimizer)
 
 __all__ = ["DLionStrategy", "CommLogger", "OVERRIDDEN", "register"]
 
@@ -68,6 +74,8 @@ OVERRIDDEN = {
     "block_backward_sync": ["self"],
     "save_checkpoint": ["self", "checkpoint", "filepath", "storage_options"],
     "load_optimizer_state_dict": ["self", "checkpoint"],
+    "on_validation_start": ["self"],
+    "on_train_end": ["self"],
 }
 
 check_version("lightning")
@@ -112,6 +120,21 @@ class DLionStrategy(DDPStrategy):
     def dlion_optimizers(self) -> list[DistributedLion]:
         """The :class:`DistributedLion` optimizers (raises if any optimizer is another kind)."""
         return [require_dlion(o, "DLionStrategy") for o in self.optimizers]
+
+    # -- delay=1: apply the step in flight before validating and at the end ----------
+    def _flush(self) -> None:
+        for o in self.optimizers:  # collective; Lightning runs these hooks on every rank at the same step
+            inner = unwrap_optimizer(o)
+            if isinstance(inner, DistributedLion):
+                inner.flush()
+
+    def on_validation_start(self) -> None:
+        self._flush()
+        super().on_validation_start()
+
+    def on_train_end(self) -> None:
+        self._flush()
+        super().on_train_end()
 
     # -- gradient accumulation ------------------------------------------------------
     @contextlib.contextmanager
