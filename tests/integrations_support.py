@@ -155,3 +155,25 @@ def assert_replicas_and_momenta(snaps: list) -> None:
         assert all(bool(m.abs().sum() > 0) for m in s["momenta"].values()), f"rank {r} has an all-zero momentum"
     differ = sum(not torch.equal(snaps[0]["momenta"][k], snaps[1]["momenta"][k]) for k in snaps[0]["momenta"])
     assert differ == n, f"only {differ} of {n} momenta differ between rank 0 and rank 1"
+
+
+def replay_delayed(opt, params, steps, flush_after: set) -> tuple:
+    """Replay a recorded run through a bare ``DistributedLion(delay=1)`` ``opt`` over ``params``:
+    ``steps`` is a list of (gradients, lrs before the step or None, lrs at the step's end or None);
+    ``flush()`` after the steps in ``flush_after``, with the end-of-step lrs (a Δ is applied at
+    the lr its group holds then). Returns ([(step, parameters after its flush)], final parameters)."""
+    def set_lrs(lrs):
+        for group, lr in zip(opt.param_groups, lrs or []):
+            group["lr"] = lr
+
+    flushed = []
+    for step, (grads, lrs, end_lrs) in enumerate(steps, start=1):
+        for p, g in zip(params, grads):
+            p.grad = g
+        set_lrs(lrs)
+        opt.step()
+        if step in flush_after:
+            set_lrs(end_lrs)
+            opt.flush()
+            flushed.append((step, [p.detach().clone() for p in params]))
+    return flushed, [p.detach().clone() for p in params]

@@ -20,7 +20,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E4
 import dlion  # noqa: E402
 from dlion.integrations import hf as dlion_hf  # noqa: E402
 from integrations_support import (WORLD, PG_TIMEOUT_S, TokenData, Window, assert_bitwise_equal,  # noqa: E402
-                                  assert_replicas_and_momenta, snapshot, spawn, start_worker,
+                                  assert_replicas_and_momenta, replay_delayed, snapshot, spawn, start_worker,
                                   stop_watchdog, tiny_gpt2)
 
 K = 3  # optimizer steps before the checkpoint; the runs go to 2K
@@ -227,25 +227,11 @@ class Recorder(TrainerCallback):
 
 
 def replay(rec: Recorder, flush_after: set) -> tuple:
-    """The recorded run, step by step, through a fresh DistributedLion(delay=1): flush() after
-    the steps in ``flush_after``, with the lrs the end of that step had (a Δ is applied at
-    the lr its group holds then). Returns (parameters after each flush, final parameters)."""
+    """The recorded run through a fresh DistributedLion(delay=1) with the Trainer's groups."""
     params = [t.clone().requires_grad_(True) for t in rec.start]
     groups = [{"params": [params[i] for i in idx], "weight_decay": wd} for idx, wd in rec.groups]
-    opt = dlion.DistributedLion(groups, **OPT_DELAY[1])
-    flushed = []
-    for step, (grads, lrs) in enumerate(rec.steps, start=1):
-        for p, g in zip(params, grads):
-            p.grad = g
-        for group, lr in zip(opt.param_groups, lrs):
-            group["lr"] = lr
-        opt.step()
-        if step in flush_after:
-            for group, lr in zip(opt.param_groups, rec.end_lrs[step - 1]):
-                group["lr"] = lr
-            opt.flush()
-            flushed.append((step, [p.detach().clone() for p in params]))
-    return flushed, [p.detach().clone() for p in params]
+    steps = [(grads, lrs, end) for (grads, lrs), end in zip(rec.steps, rec.end_lrs)]
+    return replay_delayed(dlion.DistributedLion(groups, **OPT_DELAY[1]), params, steps, flush_after)
 
 
 def delay_worker(rank, world, tmp):

@@ -22,7 +22,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry  # noqa: 
 import dlion  # noqa: E402
 from dlion.integrations import lightning as dlion_lightning  # noqa: E402
 from integrations_support import (WORLD, PG_TIMEOUT_S, TokenData, Window, assert_bitwise_equal,  # noqa: E402
-                                  assert_replicas_and_momenta, snapshot, spawn, start_worker,
+                                  assert_replicas_and_momenta, replay_delayed, snapshot, spawn, start_worker,
                                   stop_watchdog)
 
 VOCAB = 256
@@ -213,15 +213,7 @@ class Recorder(L.Callback):
 def replay(rec: Recorder, flush_after: set) -> tuple:
     params = [t.clone().requires_grad_(True) for t in rec.start]
     opt = dlion.DistributedLion(params, lr=3e-3, weight_decay=0.1, comm="1bit", delay=1)
-    flushed = []
-    for step, grads in enumerate(rec.grads, start=1):
-        for p, g in zip(params, grads):
-            p.grad = g
-        opt.step()
-        if step in flush_after:
-            opt.flush()
-            flushed.append((step, [p.detach().clone() for p in params]))
-    return flushed, [p.detach().clone() for p in params]
+    return replay_delayed(opt, params, [(g, None, None) for g in rec.grads], flush_after)
 
 
 def delay_worker(rank, world, tmp):
