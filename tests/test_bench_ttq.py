@@ -199,3 +199,11 @@ def test_across_seeds_refuses_runs_that_are_not_one_experiment(change, message):
     other = _seed_doc(change.pop("seed", 1), rows, **change)
     with pytest.raises(ValueError, match=message):
         ttq_seeds.summarize([_seed_doc(0, rows), other])
+
+
+def test_across_seeds_names_a_file_it_cannot_read(tmp_path):
+    bad = tmp_path / "truncated.json"
+    bad.write_text('{"config": ')
+    for path in (str(tmp_path / "missing.json"), str(bad)):
+        with pytest.raises(SystemExit, match=f"cannot read {path}"):
+            ttq.main(["--across", path, path, "--out", str(tmp_path / "out")])

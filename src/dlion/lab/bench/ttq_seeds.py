@@ -163,8 +163,11 @@ def _tick(v: float, _pos) -> str:
 def run(paths: list[str], out: str) -> int:
     docs = []
     for p in paths:
-        with open(p) as f:
-            docs.append(json.load(f))
+        try:
+            with open(p) as f:
+                docs.append(json.load(f))
+        except (OSError, json.JSONDecodeError) as e:
+            raise SystemExit(f"dlion bench ttq --across: cannot read {p}: {e}")
     try:
         s = summarize(docs)
     except ValueError as e:
