@@ -264,10 +264,10 @@ def test_failed_save_keeps_the_old_checkpoint(tmp_path, saved, monkeypatch):
 # ---------------------------------------------------------------------------
 
 
-def run_and_save(rank, world, path, k):
+def run_and_save(rank, world, path, k, ties="random"):
     torch.manual_seed(100 + rank)  # every rank samples its own batches
     model = make_model()
-    opt = make_opt(model)
+    opt = make_opt(model, ties=ties)
     train(model, opt, k, rank)
     checkpoint.save(path, model, opt, step=k, extra={"world": world})
     mid = snapshot(model, opt)
@@ -275,12 +275,12 @@ def run_and_save(rank, world, path, k):
     return mid, snapshot(model, opt)
 
 
-def resume(rank, world, path, k):
+def resume(rank, world, path, k, ties="random"):
     torch.manual_seed(12345)  # wrong on purpose: load restores each rank's RNG
     model = make_model(hidden=16)
     for p in model.parameters():
         p.data.normal_()
-    opt = make_opt(model)
+    opt = make_opt(model, ties=ties)
     info = checkpoint.load(path, model, opt)
     assert info.step == k and info.extra == {"world": world} and info.policy == "exact" and info.rng_restored
     mid = snapshot(model, opt)
@@ -288,12 +288,14 @@ def resume(rank, world, path, k):
     return mid, snapshot(model, opt)
 
 
-def test_resume_in_new_processes_is_bitwise_identical(tmp_path):
+@pytest.mark.parametrize("ties", ["random", "previous"])
+def test_resume_in_new_processes_is_bitwise_identical(tmp_path, ties):
     """Train K steps, save, new processes load and continue to 2K: identical to never stopping —
-    parameters, every rank's momenta, step counts, communication counters and RNG."""
+    parameters, every rank's momenta, step counts, communication counters and RNG (and, with
+    ties="previous", the last vote the next ties repeat: two ranks tie wherever they disagree)."""
     path = str(tmp_path / "ckpt.pt")
-    straight = spawn(run_and_save, 2, path, K)
-    resumed = spawn(resume, 2, path, K)
+    straight = spawn(run_and_save, 2, path, K, ties)
+    resumed = spawn(resume, 2, path, K, ties)
     for (mid_a, end_a), (mid_b, end_b) in zip(straight, resumed):
         assert_same(mid_a, mid_b)
         assert_same(end_a, end_b)

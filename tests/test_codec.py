@@ -66,7 +66,7 @@ def test_chunks_encode_independently(codec, parts, chunk_units, seed):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7, 8, 15, 16, 31])
 @pytest.mark.parametrize("vote", ["mavo", "avg"])
-@pytest.mark.parametrize("ties", ["zero", "random"])
+@pytest.mark.parametrize("ties", ["zero", "random", "previous"])
 @pytest.mark.parametrize("zeros", [False, True])
 def test_result_codec_carries_every_possible_code(n, vote, ties, zeros):
     """For each N, every (s, nz) the ranks can produce is decided, encoded and decoded losslessly."""
@@ -76,10 +76,11 @@ def test_result_codec_carries_every_possible_code(n, vote, ties, zeros):
     if not zeros:
         votes = votes * 2 - 1
     s, nz = votes.sum(0, dtype=torch.int16), votes.abs().sum(0, dtype=torch.int16)
-    codes = rule.decide(s, nz, key=coin_key(3, 0, 0))
+    previous = torch.randint(-1, 2, (s.numel(),), generator=gen, dtype=torch.int8)
+    codes = rule.decide(s, nz, key=coin_key(3, 0, 0), previous=previous)
     codec = rule.result_codec(zeros)
     assert torch.equal(codec.decode(codec.encode(codes), codes.numel()).to(codes.dtype), codes)
-    expected_bits = {("mavo", False): 1.0 if (n % 2 or ties == "random") else 1.6,
+    expected_bits = {("mavo", False): 1.0 if (n % 2 or ties != "zero") else 1.6,
                      ("mavo", True): 1.6,
                      ("avg", False): float(int(np.ceil(np.log2(n + 1))) or 1),
                      ("avg", True): float(int(np.ceil(np.log2(2 * n + 1))))}[(vote, zeros)]
@@ -97,6 +98,25 @@ def test_vote_rules_literal():
     assert r[[0, 1, 4]].tolist() == [1, -1, 1]
     assert r[2].item() == tie_coins(7, 12, 1).item()  # a tie takes the shared coin
     assert r[3].item() == 0  # all abstained: no coin, no drift
+
+
+def test_previous_ties_repeat_the_last_update_and_fall_back_to_the_coin():
+    s = torch.tensor([0, 0, 0, 0, 2, -2, 0], dtype=torch.int16)
+    nz = torch.tensor([2, 4, 2, 0, 2, 4, 4], dtype=torch.int16)
+    # the whole bucket's last codes; this chunk starts at coordinate 10
+    previous = torch.zeros(20, dtype=torch.int8)
+    previous[10:17] = torch.tensor([1, -1, 0, 1, -1, 1, 0], dtype=torch.int8)
+    rule = VoteRule("mavo", 4, ties="previous")
+    r = rule.decide(s, nz, key=7, start=10, previous=previous)
+    assert r[[0, 1, 3, 4, 5]].tolist() == [1, -1, 0, 1, -1]  # ties repeat; no vote stays 0; majorities win
+    assert r[2].item() == tie_coins(7, 12, 1).item() and r[6].item() == tie_coins(7, 16, 1).item()  # last was 0
+    # gathered coordinates (a compacted bucket): the previous codes are read at the original positions
+    index = torch.tensor([3, 5], dtype=torch.int64)
+    previous = torch.tensor([0, 0, 0, -1, 0, 0, 0, 0], dtype=torch.int8)
+    r = rule.decide(torch.tensor([0, 0], dtype=torch.int16), None, key=9, index=index, previous=previous)
+    assert r.tolist() == [-1, tie_coins(9, 5, 1).item()]
+    # no previous codes given: exactly the random rule
+    assert torch.equal(rule.decide(s, nz, key=7, start=10), VoteRule("mavo", 4, ties="random").decide(s, nz, key=7, start=10))
 
 
 def test_tie_coins_are_chunk_independent_and_balanced():

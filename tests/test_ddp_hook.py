@@ -66,3 +66,8 @@ def test_ddp_hook_equals_distributed_lion_bitwise(world, vote, comm, mdtype):
 def test_hook_state_rejects_two_collective_algorithms():
     with pytest.raises(ValueError, match="comm must be one of 'allgather', 'pbit'"):
         DLionHookState.__init__(object.__new__(DLionHookState), nn.Linear(2, 2), comm="1bit")
+
+
+def test_hook_state_refuses_previous_vote_ties():
+    with pytest.raises(ValueError, match="ties='previous' is implemented in DistributedLion"):
+        DLionHookState.__init__(object.__new__(DLionHookState), nn.Linear(2, 2), ties="previous")

@@ -26,6 +26,7 @@ def reference(world, cfg, layout, applied, seen, nan_step=None):
     that Δ is skipped everywhere (no decay either) and that rank's momentum skips the gradient."""
     x = [p.clone() for p in init_params(0)]
     m = [[torch.zeros(s, dtype=d) for s, d in SHAPES] for _ in range(world)]
+    last = [torch.zeros(s, dtype=d) for s, d in SHAPES]  # the last applied update (ties="previous")
     for t in range(max(applied, seen)):
         grads = [grads_for(i, t, cfg.get("dense", False)) for i in range(world)]
         for k in range(len(SHAPES)):
@@ -39,6 +40,8 @@ def reference(world, cfg, layout, applied, seen, nan_step=None):
                 deltas.append(torch.sign(c))
                 if t < seen and not (t == nan_step and i == NAN_RANK):
                     m[i][k] = BETAS[1] * m[i][k] + (1 - BETAS[1]) * g
+            if t < applied and t != nan_step and all(grads[i][k] is None for i in range(world)):
+                last[k] = torch.zeros_like(x[k])
             if t >= applied or t == nan_step or all(grads[i][k] is None for i in range(world)):
                 continue
             s = sum(deltas)
@@ -47,10 +50,13 @@ def reference(world, cfg, layout, applied, seen, nan_step=None):
                 update = s / world
             else:
                 update = torch.sign(s)
-                if cfg.get("ties") == "random":
+                if cfg.get("ties") in ("random", "previous"):
                     bucket, offset, _ = layout[k]
                     coins = tie_coins(coin_key(5, t, bucket), offset, s.numel()).view(s.shape).to(s.dtype)
+                    if cfg["ties"] == "previous":  # the last update applied, a step before this one's vote
+                        coins = torch.where(last[k] != 0, last[k], coins)
                     update = torch.where((s == 0) & (nz > 0), coins, update)
+            last[k] = update
             x[k] = x[k] * (1 - LR * WD) - LR * update
     return x, m
 
@@ -94,6 +100,7 @@ CONFIGS = [
     dict(vote="mavo", ties="random", fused=True),
     dict(vote="mavo", comm="allgather", bucket_cap_mb=40 * 4 / 2**20),  # many buckets, one exchange thread
     dict(vote="avg", comm="pbit"),
+    dict(vote="mavo", ties="previous"),
 ]
 
 

@@ -26,6 +26,7 @@ def simulate(world, cfg, layout, momenta=False):
     x = [p.clone() for p in init_params(0)]
     store = cfg.get("momentum_dtype")
     m = [[torch.zeros(s, dtype=store or d) for s, d in SHAPES] for _ in range(world)]
+    last = [torch.zeros(s, dtype=d) for s, d in SHAPES]  # the last applied update (ties="previous")
     for t in range(STEPS):
         grads = [grads_for(i, t, cfg.get("dense", False)) for i in range(world)]
         for k in range(len(SHAPES)):
@@ -42,6 +43,7 @@ def simulate(world, cfg, layout, momenta=False):
                 deltas.append(torch.sign(c))
                 m[i][k] = (BETAS[1] * mk + (1 - BETAS[1]) * g).to(m[i][k].dtype)
             if all(grads[i][k] is None for i in range(world)):
+                last[k] = torch.zeros_like(x[k])
                 continue  # no gradient anywhere: not touched at all
             s = sum(deltas)
             nz = sum(d.abs() for d in deltas)
@@ -49,10 +51,13 @@ def simulate(world, cfg, layout, momenta=False):
                 update = s / world
             else:
                 update = torch.sign(s)
-                if cfg.get("ties") == "random" and world > 1:
+                if cfg.get("ties") in ("random", "previous") and world > 1:
                     bucket, offset, _ = layout[k]
                     coins = tie_coins(coin_key(5, t, bucket), offset, s.numel()).view(s.shape).to(s.dtype)
+                    if cfg["ties"] == "previous":  # the last applied update where it moved, else the coin
+                        coins = torch.where(last[k] != 0, last[k], coins)
                     update = torch.where((s == 0) & (nz > 0), coins, update)
+            last[k] = update
             x[k] = x[k] * (1 - LR * WD)
             x[k] = x[k] - LR * update
     return (x, m) if momenta else x
@@ -74,6 +79,9 @@ CONFIGS = [
     dict(vote="avg", dense=True, momentum_dtype=torch.bfloat16),
     dict(vote="mavo", maximize=True),  # (the fp32 bucket reads its gradients in place, the fp64 one copies them)
     dict(vote="mavo", ties="random", fused=True),  # compiled local math (fp32 and fp64 buckets; abstentions)
+    dict(vote="mavo", ties="previous"),
+    dict(vote="mavo", ties="previous", dense=True, comm="pbit"),
+    dict(vote="mavo", ties="previous", comm="allgather", bucket_cap_mb=40 * 4 / 2**20),
     dict(vote="avg", dense=True, maximize=True, fused=True),
     dict(vote="mavo", fused=True, momentum_dtype=torch.bfloat16),  # (falls back: bf16-stored momentum)
 ]
@@ -102,6 +110,10 @@ def test_matches_simulated_workers_and_ranks_agree_bitwise(world):
             if not cfg.get("dense"):
                 assert torch.equal(res["params"][2], init_params(0)[2])
                 assert torch.equal(res["params"][0][0], row)
+        if cfg.get("ties") == "previous" and world % 2 == 0:  # the rule is exercised: it is not the coin's
+            coin = next(c for c, other in enumerate(CONFIGS) if other == dict(vote="mavo", ties="random"))
+            if cfg == dict(vote="mavo", ties="previous"):
+                assert any(not torch.equal(a, b) for a, b in zip(ranks[0]["params"], results[0][coin]["params"]))
         if cfg.get("momentum_dtype") is not None:  # the stored momenta themselves, in their dtype
             _, ref_m = simulate(world, cfg, ranks[0]["layout"], momenta=True)
             for rank, res in enumerate(ranks):
@@ -587,10 +599,12 @@ def skip_reference(world, cfg, layout):
     g0 = torch.Generator().manual_seed(7)
     x = [torch.randn(n, generator=g0) for n in sizes]
     m = [[torch.zeros(n) for n in sizes] for _ in range(world)]
+    last = [torch.zeros(n) for n in sizes]  # the last applied update (ties="previous")
     for t in range(SKIP_STEPS):
         for k in range(len(sizes)):
             voters = list(schedule(k, t, world))
             if not voters:
+                last[k] = torch.zeros(sizes[k])
                 continue
             s = torch.zeros(sizes[k])
             nz = torch.zeros(sizes[k])
@@ -603,10 +617,13 @@ def skip_reference(world, cfg, layout):
                 update = s / world
             else:
                 update = torch.sign(s)
-                if cfg.get("ties") == "random":
+                if cfg.get("ties") in ("random", "previous"):
                     bucket, offset, _ = layout[k]
                     coins = tie_coins(coin_key(0, t, bucket), offset, s.numel()).to(s.dtype)
+                    if cfg["ties"] == "previous":
+                        coins = torch.where(last[k] != 0, last[k], coins)
                     update = torch.where((s == 0) & (nz > 0), coins, update)
+            last[k] = update
             x[k] = x[k] * (1 - LR * WD) - LR * update
     return x
 
@@ -711,7 +728,7 @@ def test_abstentions_on_whole_parameters_keep_the_1bit_path(world):
             v = len(schedule(k, 0, world))
             if cfg["vote"] == "avg":
                 back = math.ceil(math.log2(world + 1))
-            elif cfg.get("ties") == "random" or v % 2 == 1:
+            elif cfg.get("ties") in ("random", "previous") or v % 2 == 1:
                 back = 1.0
             else:
                 back = 1.6  # a base-3 digit, 5 to a byte
@@ -730,7 +747,11 @@ PIPELINE_CONFIGS = [dict(vote="mavo", overlap=True, bucket_cap_mb=40 * 4 / 2**20
                     dict(vote="mavo", schedule="partial", overlap=True, bucket_cap_mb=40 * 4 / 2**20),
                     # fused local math from the gradient hooks, abstentions, and a resume from the state_dict
                     dict(vote="mavo", ties="random", schedule="partial", overlap=True, fused=True, resume_at=3,
-                         bucket_cap_mb=40 * 4 / 2**20)]
+                         bucket_cap_mb=40 * 4 / 2**20),
+                    # ties="previous": the last vote lives in the state_dict, and the voters read it mid-backward
+                    dict(vote="mavo", ties="previous", schedule="partial", overlap=True, resume_at=3,
+                         bucket_cap_mb=40 * 4 / 2**20),
+                    dict(vote="mavo", ties="previous", resume_at=5, bucket_cap_mb=40 * 4 / 2**20)]
 
 
 @pytest.mark.parametrize("world", [3, 4])

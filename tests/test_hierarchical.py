@@ -540,3 +540,8 @@ def test_checkpoint_load_on_another_mesh_refuses_before_changing_the_model(tmp_p
         assert error is not None and "Momentum shards cannot be re-cut" in error, (rank, error)
         assert unchanged, f"rank {rank}: the model was changed by a load that failed"
         assert loaded
+
+
+def test_previous_vote_ties_are_refused_with_a_clear_error():
+    with pytest.raises(ValueError, match="ties='previous' is implemented in DistributedLion"):
+        dlion.HierarchicalDistributedLion([torch.zeros(3, requires_grad=True)], ties="previous")

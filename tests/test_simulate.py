@@ -11,6 +11,8 @@ CASES = [
     dict(vote="mavo"),
     dict(vote="avg"),
     dict(vote="mavo", ties="random"),
+    dict(vote="mavo", ties="previous"),
+    dict(vote="mavo", ties="previous", comm="pbit", dense=True),
     dict(vote="mavo", comm="pbit", dense=True),
     dict(vote="mavo", aggregate="quantized", quant_norm="l1"),
     dict(vote="mavo", aggregate="quantized", quant_norm="linf", quant_bits=4, dense=True),

@@ -23,6 +23,12 @@ or c = 0) votes for neither side, so a coordinate that is 0 on every worker gets
   the coin of a coordinate does not depend on which rank votes on it or how the
   buffer is chunked. When no worker abstains anywhere in the bucket the code is
   then ±1 and travels as 1 bit.
+* ``ties="previous"`` Δ = the coordinate's previous Δ (the code of the last
+  applied step, which every rank holds identically), the coin where that was 0
+  (the first step, or a coordinate that did not move). A 2–2 split says little
+  about the direction; the last agreed direction is the better guess, and the
+  update no longer flips on every tie. Same wire format as ``"random"``. Not a
+  rule from the papers: dlion's own, measured in docs/benchmarks.md.
 
 The wire format of the code is chosen by :meth:`VoteRule.result_codec` from
 what values are possible, which depends on N, the rule and whether any worker
@@ -43,7 +49,7 @@ from .codec import FieldCodec, SignCodec, TritCodec, bits_for
 __all__ = ["VoteRule", "tie_coins", "tie_coins_at", "VOTES", "TIES"]
 
 VOTES = ("mavo", "avg")
-TIES = ("zero", "random")
+TIES = ("zero", "random", "previous")
 _MASK32 = 0xFFFFFFFF
 
 
@@ -101,7 +107,7 @@ def _ties(s: Tensor, nz: Optional[Tensor]) -> Tensor:
 
 @dataclass(frozen=True)
 class VoteRule:
-    """The aggregation rule: ``vote`` in {"mavo", "avg"}, ``ties`` in {"zero", "random"}."""
+    """The aggregation rule: ``vote`` in {"mavo", "avg"}, ``ties`` in {"zero", "random", "previous"}."""
 
     vote: str
     world_size: int
@@ -118,18 +124,23 @@ class VoteRule:
 
     # -- the rule -----------------------------------------------------------
     def decide(self, s: Tensor, nz: Optional[Tensor], *, key: int = 0, start: int = 0,
-               index: Optional[Tensor] = None) -> Tensor:
+               index: Optional[Tensor] = None, previous: Optional[Tensor] = None) -> Tensor:
         """Codes for coordinates start … start+len(s)−1 (or ``index``, where the values
         were gathered from elsewhere in the bucket) from their (s, nz); ``nz`` None: every
-        worker voted on every coordinate."""
+        worker voted on every coordinate. ``previous`` (``ties="previous"``): the whole
+        bucket's codes of the last applied step, indexed by bucket coordinate; None: all 0."""
         if self.vote == "avg":
             return s.to(torch.int16)
         code = torch.sign(s).to(torch.int8)
-        if self.ties == "random":
+        if self.ties != "zero":
             where = _ties(s, nz)  # hash only the ties' coordinates
             if where.numel():
                 at = where + start if index is None else index.to(s.device)[where]
-                code[where] = tie_coins_at(key, at)
+                tied = tie_coins_at(key, at)
+                if self.ties == "previous" and previous is not None:
+                    last = previous[at.to(previous.device)].to(device=tied.device, dtype=torch.int8)
+                    tied = torch.where(last != 0, last, tied)
+                code[where] = tied
         return code
 
     def delta(self, code: Tensor, dtype: torch.dtype) -> Tensor:
@@ -147,7 +158,7 @@ class VoteRule:
                 return FieldCodec(bits_for(2 * n + 1), lo=-n)
             # No abstentions: s = 2·(#plus) − N has N's parity, so send #plus ∈ [0, N].
             return _PlusCountCodec(n)
-        binary = not zeros and (self.ties == "random" or n % 2 == 1)
+        binary = not zeros and (self.ties != "zero" or n % 2 == 1)
         return SignCodec() if binary else TritCodec()
 
     def result_bits(self, zeros: bool = False) -> float:

@@ -86,6 +86,8 @@ class Contribution:
     #: ``digests_agree``) are final — after the first collective, before the codes exist —
     #: so that a driver may apply finished buckets while later ones are still on the wire
     on_flags: Optional[Callable[["Outcome"], None]] = None
+    #: ``ties="previous"``: the whole bucket's codes of the last applied step (by bucket coordinate)
+    previous: Optional[Tensor] = None
 
     def index(self, lo: int, n: int) -> Optional[Tensor]:
         return None if self.positions is None else self.positions[lo:lo + n]
@@ -463,7 +465,8 @@ class OneBit(Algorithm):
             return out
         s, nz = self._count(payloads[:, :codec.nbytes(c)], fmt, N, c, _runs_table(hdrs, k, fmt, info), cap, lo,
                             numel, info["abstains"])
-        mine = self.rule.decide(s, nz, key=key, start=lo, index=contrib.index(lo, c))
+        mine = self.rule.decide(s, nz, key=key, start=lo, index=contrib.index(lo, c),
+                                 previous=contrib.previous)
         out.tally = vote_tally(s, nz, N, numel - lo)
         voters = _voters(contrib, hdrs, info) if info["abstains"] else None
         if voters is not None:  # abstentions (nearly) only on whole parameters: every rank knows the voters
@@ -667,7 +670,8 @@ class AllGather(Algorithm):
             return out
         s, nz = self._count(payloads[:, :codec.nbytes(n)], fmt, N, n, _runs_table(hdrs, k, fmt, info), cap, 0,
                             numel, info["abstains"])
-        out.codes = self.rule.decide(s, nz, key=key, start=0, index=contrib.index(0, n))
+        out.codes = self.rule.decide(s, nz, key=key, start=0, index=contrib.index(0, n),
+                                     previous=contrib.previous)
         out.tally = vote_tally(s, nz, N, numel)
         return out
 
@@ -749,7 +753,8 @@ class PBit(Algorithm):
             s, nz = (plus - minus).to(torch.int16), (plus + minus).to(torch.int16)
         else:
             s, nz = t.to(torch.int16).mul_(2).sub_(N), None  # every rank voted everywhere
-        out.codes = self.rule.decide(s, nz, key=key, start=0, index=contrib.index(0, n))
+        out.codes = self.rule.decide(s, nz, key=key, start=0, index=contrib.index(0, n),
+                                     previous=contrib.previous)
         out.tally = vote_tally(s, nz, N, numel)
         return out
 
@@ -812,7 +817,7 @@ def run_compacted(alg: Algorithm, state: WireState, contrib: Contribution, rank:
     if contrib.sizes is not None:
         sizes = [0 if left_out else size for size, left_out in zip(contrib.sizes, skipped.tolist())]
     out = yield from alg.run(state, Contribution(sub, m, contrib.has_grad, contrib.status, contrib.digest,
-                                                 positions, sizes, contrib.on_flags), rank, key)
+                                                 positions, sizes, contrib.on_flags, contrib.previous), rank, key)
     if bool((out.has_grad & skipped).any()):  # a rank has a gradient for a left-out parameter
         return (yield from alg.run(state, contrib, rank, key))
     if out.codes is not None:

@@ -115,14 +115,13 @@ def layout_buckets(params: list[Tensor], groups: list[dict], world: int, cap_mb:
     return buckets
 
 
-def rebind_groups(buckets, param_groups: list) -> list[dict]:
+def rebind_groups(buckets, param_groups: list) -> None:
     """Point every bucket (or slice of one) at the dict of ``param_groups`` that now holds its
-    parameters, and return the group of each parameter. ``load_state_dict`` replaces every group
-    dict; without this, lr or weight decay set afterwards (by a scheduler) would never be read."""
+    parameters. ``load_state_dict`` replaces every group dict; without this, lr or weight decay
+    set afterwards (by a scheduler) would never be read."""
     groups = [g for g in param_groups for _ in g["params"]]
     for b in buckets:
         b.group = groups[b.indices[0]]
-    return groups
 
 
 class RankBuffers:
@@ -140,6 +139,13 @@ class RankBuffers:
         #: The gradients the last :func:`contribute` read in place (``borrow=True``) and the sign
         #: it gave them, for :func:`update_momentum`; None when they were copied into ``grad``.
         self.borrowed: Optional[tuple[list[Optional[Tensor]], float]] = None
+        #: ``ties="previous"``: the codes of the last applied step (int8, the padded bucket), else None
+        self.last_vote: Optional[Tensor] = None
+        self.last_vote_views: list[Tensor] = []
+
+    def keep_last_vote(self, b: Bucket) -> None:
+        self.last_vote = torch.zeros(b.padded, dtype=torch.int8, device=b.device)
+        self.last_vote_views = b.views(self.last_vote)
 
 
 class Scratch:

@@ -122,7 +122,10 @@ class DistributedLion(Lion):
 
     Args:
         vote: ``"mavo"`` (majority vote, Δ = sign Σδ) or ``"avg"`` (Δ = mean δ).
-        ties: ``"zero"`` (a tie gives Δ = 0) or ``"random"`` (a shared coin).
+        ties: ``"zero"`` (a tie gives Δ = 0), ``"random"`` (a shared coin) or
+            ``"previous"`` (the coordinate's last Δ, a coin where that was 0; see
+            :mod:`dlion.aggregation`). Only even vote counts tie; ``"random"`` and
+            ``"previous"`` keep MaVo's way back at 1 bit.
         process_group: the group to aggregate over (default: the world).
         comm: collective algorithm for sign aggregation: ``"1bit"`` (all-to-all
             + all-gather), ``"allgather"`` (naive), ``"pbit"`` (packed-counter
@@ -142,7 +145,7 @@ class DistributedLion(Lion):
             of plain ``torch.optim``, at the cost of one wasted exchange). Every rank
             must run the same backwards between steps (as with DDP).
         bucket_cap_mb: bucket size, counted as fp32 parameters like DDP.
-        seed: seeds the tie coins (``ties="random"``).
+        seed: seeds the tie coins (``ties="random"`` or ``"previous"``).
         check_every: every K steps compare a checksum of every parameter across
             ranks and raise :class:`DesyncError` naming the first that differs.
         nonfinite: a rank whose gradients contain inf/NaN makes every rank
@@ -213,6 +216,7 @@ class DistributedLion(Lion):
         distributed = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size(process_group) if distributed else 1
         self.rule = VoteRule(vote, world, ties=ties, seed=seed)
+        self._keeps_last_vote = ties == "previous" and vote == "mavo" and aggregate == "sign"
         check_options(comm, aggregate, vote, quant_norm, quant_bits, momentum_sync, bucket_cap_mb,
                       check_every, nonfinite, sign_hook)
         params = reject_unsupported(params)
@@ -236,7 +240,6 @@ class DistributedLion(Lion):
         self.warn_after_skips = 10
         self._skips_in_a_row = 0
         self._params = [p for g in self.param_groups for p in g["params"]]
-        self._group_of = [g for g in self.param_groups for _ in g["params"]]
         self.num_params = sum(p.numel() for p in self._params if p.requires_grad)
         self.buckets: list[Bucket] = []
         self._algorithms: list = []
@@ -251,7 +254,8 @@ class DistributedLion(Lion):
         if world > 1:
             self._check_same_model()
             self._broadcast_parameters()
-            self.buckets = layout_buckets(self._params, self._group_of, world, bucket_cap_mb)
+            self.buckets = layout_buckets(self._params, [g for g in self.param_groups for _ in g["params"]], world,
+                                          bucket_cap_mb)
             self._buffers = [RankBuffers(b, momentum_dtype) for b in self.buckets]
             self._scratch = Scratch()
             self._algorithms = [self._algorithm_for(b) for b in self.buckets]
@@ -264,6 +268,11 @@ class DistributedLion(Lion):
                 for j, (p, m) in enumerate(zip(b.params, buf.momentum_views)):
                     self.state[p]["exp_avg"] = m
                     self.state[p]["step"] = steps[j]
+            if self._keeps_last_vote:  # ties="previous": the last applied Δ, identical on every rank
+                for b, buf in zip(self.buckets, self._buffers):
+                    buf.keep_last_vote(b)
+                    for p, v in zip(b.params, buf.last_vote_views):
+                        self.state[p]["last_vote"] = v
             self._frozen = [p for p in self._params if not p.requires_grad]
             self._first = GroupTransport(process_group, self.comm_stats)
             # Hooks issue first collectives during backward; the later ones of each bucket go on a
@@ -403,7 +412,8 @@ class DistributedLion(Lion):
         self._step.present[k] = present
         self._step.errors[k] = error
         return Contribution(buf.values, b.numel, torch.tensor(present, dtype=torch.bool), status,
-                            self._digest(group), sizes=b.sizes, on_flags=functools.partial(self._step.read_flags, k))
+                            self._digest(group), sizes=b.sizes, on_flags=functools.partial(self._step.read_flags, k),
+                            previous=buf.last_vote)
 
     def _issue_ready(self, step_no: int) -> None:
         """Start, in bucket order, every bucket whose gradients are all there."""
@@ -654,6 +664,12 @@ class DistributedLion(Lion):
             buf = self._buffers[k]
             apply_codes(b, o.codes, active, buf.work, buf.work_views, group["lr"], group["weight_decay"],
                         self.world_size if self.rule.vote == "avg" else 1)
+        last = self._buffers[k].last_vote
+        if last is not None:  # ties="previous": this step's codes are the next step's tie-breakers
+            if any(active):
+                last.copy_(o.codes)
+            else:
+                last.zero_()
             self._steps[k].add_(o.has_grad.to(self._steps[k].dtype))
         if any(present) and not self.delay:  # (delay=1: updated when contributed)
             update_momentum(b, self._buffers[k], present, group["betas"][1], self._scratch,
@@ -782,7 +798,7 @@ class DistributedLion(Lion):
                 "keeps one momentum per node, sharded across the node's ranks; DistributedLion keeps one per rank. "
                 "Resume with HierarchicalDistributedLion on the same mesh.")
         super().load_state_dict(state_dict)
-        self._group_of = rebind_groups(self.buckets, self.param_groups)
+        rebind_groups(self.buckets, self.param_groups)
         # The momenta live in the buckets' flat buffers: copy the loaded values in and re-point the state.
         for b, buf in zip(self.buckets, self._buffers):
             for p, view in zip(b.params, buf.momentum_views):
@@ -793,6 +809,17 @@ class DistributedLion(Lion):
                 else:
                     view.copy_(m.reshape(view.shape))
                 st["exp_avg"] = view
+            for p, view in zip(b.params, buf.last_vote_views):
+                st = self.state[p]
+                v = st.get("last_vote")
+                if v is None:  # (saved with another ties policy, or before any step)
+                    view.zero_()
+                else:
+                    view.copy_(v.reshape(view.shape))
+                st["last_vote"] = view
+            if buf.last_vote is None:  # (a state saved with ties="previous" loaded under another policy)
+                for p in b.params:
+                    self.state[p].pop("last_vote", None)
         for b, steps in zip(self.buckets, getattr(self, "_steps", [])):
             for j, p in enumerate(b.params):
                 st = self.state[p]

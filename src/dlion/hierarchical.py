@@ -155,11 +155,13 @@ class HierarchicalDistributedLion(Lion):
     ):
         check_options(comm, aggregate, vote, quant_norm, quant_bits, momentum_sync, bucket_cap_mb,
                       check_every, nonfinite, None)
+        if ties == "previous":
+            raise ValueError("ties='previous' is implemented in DistributedLion (and SimulatedDistributedLion) only; "
+                             "HierarchicalDistributedLion supports ties='zero' and 'random'.")
         params = reject_unsupported(params)
         super().__init__(params, lr, betas, weight_decay, maximize=maximize, foreach=foreach,
                          momentum_dtype=momentum_dtype)
         self._params = [p for g in self.param_groups for p in g["params"]]
-        self._group_of = [g for g in self.param_groups for _ in g["params"]]
         distributed = dist.is_available() and dist.is_initialized()
         if distributed and mesh is None and dist.get_world_size() > 1:
             dev = self._params[0].device.type if self._params else "cpu"
@@ -202,7 +204,8 @@ class HierarchicalDistributedLion(Lion):
             self._check_same_model()
             self._broadcast_parameters()
             L = self.local_world_size
-            self.buckets = layout_buckets(self._params, self._group_of, self.world_size, bucket_cap_mb)
+            self.buckets = layout_buckets(self._params, [g for g in self.param_groups for _ in g["params"]],
+                                          self.world_size, bucket_cap_mb)
             self._slices = [_Slice(b, self.local_rank, L) for b in self.buckets]
             self._sbufs = [RankBuffers(s, momentum_dtype) for s in self._slices]   # this rank's slice: momentum, grad, c, δ
             # whole bucket, padded: this rank's gradients, then η·Δ
@@ -579,7 +582,7 @@ class HierarchicalDistributedLion(Lion):
         sd = dict(state_dict)
         sd.pop("dlion", None)
         super().load_state_dict(sd)
-        self._group_of = rebind_groups([*self.buckets, *getattr(self, "_slices", [])], self.param_groups)
+        rebind_groups([*self.buckets, *self._slices], self.param_groups)
         for b in self.buckets:
             for p in b.params:
                 st = self.state[p]

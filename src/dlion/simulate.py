@@ -72,6 +72,9 @@ class SimulatedDistributedLion:
         check_momentum_dtype(momentum_dtype)
         self.buffers = [[RankBuffers(b, momentum_dtype) for b in self.buckets] for _ in range(world_size)]
         self.updates = [b.flat() for b in self.buckets]
+        # ties="previous": the last applied codes per bucket (the same on every worker: one copy)
+        keeps = ties == "previous" and vote == "mavo" and aggregate == "sign"
+        self.last_votes = [torch.zeros(b.padded, dtype=torch.int8) if keeps else None for b in self.buckets]
         self.update_views = [b.views(u) for b, u in zip(self.buckets, self.updates)]
         self.scratch = Scratch()
         self.comm_stats = CommStats()
@@ -111,7 +114,8 @@ class SimulatedDistributedLion:
                 if self.sign_hooks[i] is not None:
                     values[:b.numel] = self.sign_hooks[i](step, values[:b.numel].clone())
                 present.append(has)
-                contrib = Contribution(values, b.numel, torch.tensor(has, dtype=torch.bool), 0, 0, sizes=b.sizes)
+                contrib = Contribution(values, b.numel, torch.tensor(has, dtype=torch.bool), 0, 0, sizes=b.sizes,
+                                       previous=self.last_votes[kb])
                 gens.append(run_compacted(self.algorithms[kb], self.wire[kb][i], contrib, i,
                                           coin_key(self.seed, step, kb), self.left_out[kb].skip,
                                           self.left_out[kb].kept))
@@ -123,6 +127,8 @@ class SimulatedDistributedLion:
             if any(active):
                 apply_codes(b, outcome.codes, active, self.updates[kb], self.update_views[kb], self.lr,
                             self.weight_decay, N if self.rule.vote == "avg" else 1)  # as DistributedLion applies it
+            if self.last_votes[kb] is not None:
+                self.last_votes[kb].copy_(outcome.codes) if any(active) else self.last_votes[kb].zero_()
             for i in range(N):
                 if any(present[i]):
                     update_momentum(b, self.buffers[i][kb], present[i], self.betas[1], self.scratch)

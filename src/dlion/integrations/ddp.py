@@ -67,6 +67,9 @@ class DLionHookState:
         if comm not in _HOOK_COMMS:
             raise ValueError(f"comm must be one of {', '.join(map(repr, _HOOK_COMMS))} for the DDP hook (one "
                              f"collective per bucket, see dlion.integrations.ddp), got {comm!r}")
+        if ties == "previous":
+            raise ValueError("ties='previous' is implemented in DistributedLion (and SimulatedDistributedLion) only; "
+                             "the DDP communication hook supports ties='zero' and 'random'.")
         self.process_group = process_group
         self.world = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)

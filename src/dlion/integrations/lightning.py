@@ -62,8 +62,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ..distributed import DistributedLion
-from ._common import (CommMeter, to_cpu, broadcast_buffers, check_version, require_dlion, require_method,
-                      unwrap_optimizer)
+from ._common import CommMeter, to_cpu, broadcast_buffers, check_version, require_dlion, require_method
 
 __all__ = ["DLionStrategy", "CommLogger", "OVERRIDDEN", "register"]
 
@@ -123,10 +122,8 @@ class DLionStrategy(DDPStrategy):
 
     # -- delay=1: apply the step in flight before validating and at the end ----------
     def _flush(self) -> None:
-        for o in self.optimizers:  # collective; Lightning runs these hooks on every rank at the same step
-            inner = unwrap_optimizer(o)
-            if isinstance(inner, DistributedLion):
-                inner.flush()
+        for o in self.dlion_optimizers():  # collective; Lightning runs these hooks on every rank at once
+            o.flush()
 
     def on_validation_start(self) -> None:
         self._flush()

@@ -286,7 +286,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.99), metavar=("BETA1", "BETA2"),
                     help="Lion's and D-Lion's betas (default 0.9 0.99; AdamW keeps its own defaults)")
-    ap.add_argument("--ties", default="zero", choices=("zero", "random"))
+    ap.add_argument("--ties", default="zero", choices=("zero", "random", "previous"))
     ap.add_argument("--quant-bits", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--step-times", default=None, help="e2e_results.json of `dlion bench e2e` with this model")

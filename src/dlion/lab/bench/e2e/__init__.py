@@ -14,9 +14,9 @@ references and peers (DistributedDataParallel: bucketed all-reduce overlapped wi
   ``g-{lion,adamw}-powersgd{1,2,4}``  DDP with ``powerSGD_hook`` (that rank, error feedback, warm start)
                            + Lion / AdamW, in one bucket (see docs/benchmarks.md: why not overlapped on Gloo)
 ours (dlion.DistributedLion, no DDP)
-  ``d-{mavo,avg}-{allgather,1bit,pbit}[-ov]``, ``d-mavo-quant[-ov]`` and ``d-mavo-1bit-ov-rt``
-  (``comm=`` algorithm; ``quant`` = ``aggregate="quantized"``; ``-ov`` = ``overlap=True``;
-  ``-rt`` = ``ties="random"``, whatever ``--ties`` says)
+  ``d-{mavo,avg}-{allgather,1bit,pbit}[-ov]``, ``d-mavo-quant[-ov]``, ``d-mavo-1bit-ov-rt`` and
+  ``d-mavo-1bit-ov-pt`` (``comm=`` algorithm; ``quant`` = ``aggregate="quantized"``; ``-ov`` =
+  ``overlap=True``; ``-rt`` / ``-pt`` = ``ties="random"`` / ``"previous"``, whatever ``--ties`` says)
   ``h-mavo-1bit``, ``h-mavo-allgather``, ``h-avg-1bit``: dlion.HierarchicalDistributedLion (needs
   ``--nodes K --per-node L``: the nodes vote, gradients are averaged in fp32 inside a node)
 
@@ -108,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefix", default=None, help="virtual cluster namespace prefix (default dle<pid>)")
     ap.add_argument("--out", default=os.path.join("runs", "bench-e2e"),
                     help="directory for e2e_results.json, e2e_table.txt, e2e_step_time.png (default runs/bench-e2e)")
-    ap.add_argument("--ties", default="zero", choices=("zero", "random"),
+    ap.add_argument("--ties", default="zero", choices=("zero", "random", "previous"),
                     help="D-Lion tie rule (default zero; random makes MaVo's way back 1 bit for even N)")
     ap.add_argument("--sequential", action="store_true",
                     help="run the methods one after another (less memory) instead of taking turns step by step")

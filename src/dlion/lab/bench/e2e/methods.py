@@ -17,8 +17,10 @@ BASELINES = ("compute", "sync-only", "g-adamw", "g-lion", "g-lion-bf16") + POWER
 DLION = tuple(f"d-{vote}-{comm}{ov}" for vote in ("mavo", "avg") for comm in ("allgather", "1bit", "pbit")
               for ov in ("", "-ov")) + ("d-mavo-quant", "d-mavo-quant-ov", "d-mavo-1bit-ov-rt", "d-mavo-1bit-ov-m16") \
     + ("d-mavo-1bit-1b", "d-mavo-1bit-rt-1b", "d-avg-1bit-1b") \
-    + ("d-mavo-1bit-rt-dl", "d-mavo-1bit-rt-1b-dl", "d-avg-1bit-dl")
-# -1b: the whole model in one bucket, like PowerSGD; -dl: delay=1 (Δ applied a step later, its exchange
+    + ("d-mavo-1bit-rt-dl", "d-mavo-1bit-rt-1b-dl", "d-avg-1bit-dl") \
+    + ("d-mavo-1bit-ov-pt", "d-mavo-1bit-pt-1b", "d-mavo-1bit-pt-dl")
+# -rt / -pt: ties="random" / "previous" (whatever --ties says); -1b: the whole model in one bucket, like
+# PowerSGD; -dl: delay=1 (Δ applied a step later, its exchange
 # overlapping the next forward and backward)
 HIER = ("h-mavo-1bit", "h-mavo-allgather", "h-avg-1bit")  # HierarchicalDistributedLion (needs --nodes)
 METHODS = BASELINES + DLION + HIER
@@ -80,7 +82,8 @@ def label(method: str) -> str:
     vote, comm, ov, rt, m16 = parts[1], parts[2], "ov" in parts[3:], "rt" in parts[3:], "m16" in parts[3:]
     comm = {"quant": "quantized int8", "allgather": "allgather (naive)"}.get(comm, comm)
     return (f"D-Lion {'MaVo' if vote == 'mavo' else 'Avg'} {comm}{' +overlap' if ov else ''}"
-            f"{' +random ties' if rt else ''}{' +bf16 momentum' if m16 else ''}"
+            f"{' +random ties' if rt else ''}{' +previous-vote ties' if 'pt' in parts[3:] else ''}"
+            f"{' +bf16 momentum' if m16 else ''}"
             f"{', one bucket' if '1b' in parts[3:] else ''}{' +delay 1' if 'dl' in parts[3:] else ''}")
 
 
@@ -242,7 +245,7 @@ class MethodRun:
             self.net = model
             self.opt = _dlion_class()(
                 model.parameters(), lr=lr, betas=betas, weight_decay=wd, vote=vote,
-                ties="random" if "rt" in rest else cfg["ties"],
+                ties="random" if "rt" in rest else "previous" if "pt" in rest else cfg["ties"],
                 comm="1bit" if quant else comm, aggregate="quantized" if quant else "sign",
                 quant_bits=cfg["quant_bits"], overlap="ov" in rest,
                 bucket_cap_mb=POWERSGD_BUCKET_MB if "1b" in rest else cfg["bucket_mb"],
