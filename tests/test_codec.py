@@ -116,7 +116,8 @@ def test_previous_ties_repeat_the_last_update_and_fall_back_to_the_coin():
     r = rule.decide(torch.tensor([0, 0], dtype=torch.int16), None, key=9, index=index, previous=previous)
     assert r.tolist() == [-1, tie_coins(9, 5, 1).item()]
     # no previous codes given: exactly the random rule
-    assert torch.equal(rule.decide(s, nz, key=7, start=10), VoteRule("mavo", 4, ties="random").decide(s, nz, key=7, start=10))
+    coin = VoteRule("mavo", 4, ties="random")
+    assert torch.equal(rule.decide(s, nz, key=7, start=10), coin.decide(s, nz, key=7, start=10))
 
 
 def test_tie_coins_are_chunk_independent_and_balanced():

@@ -136,12 +136,17 @@ class VoteRule:
             where = _ties(s, nz)  # hash only the ties' coordinates
             if where.numel():
                 at = where + start if index is None else index.to(s.device)[where]
-                tied = tie_coins_at(key, at)
-                if self.ties == "previous" and previous is not None:
-                    last = previous[at.to(previous.device)].to(device=tied.device, dtype=torch.int8)
-                    tied = torch.where(last != 0, last, tied)
-                code[where] = tied
+                code[where] = self.tie_codes(key, at, previous)
         return code
+
+    def tie_codes(self, key: int, at: Tensor, previous: Optional[Tensor] = None) -> Tensor:
+        """±1 (int8) for tied coordinates ``at`` (int64, bucket coordinates), ``ties`` "random"
+        or "previous": the shared coin, or the previous code where that is not 0."""
+        tied = tie_coins_at(key, at)
+        if self.ties == "previous" and previous is not None:
+            last = previous[at.to(previous.device)].to(device=tied.device, dtype=torch.int8)
+            tied = torch.where(last != 0, last, tied)
+        return tied
 
     def delta(self, code: Tensor, dtype: torch.dtype) -> Tensor:
         """Δ in ``dtype`` from codes: the update every rank applies."""

@@ -54,6 +54,7 @@ import torch
 from torch import Tensor
 
 from .aggregation import VoteRule
+from .bitvote import compare_count, count_planes, popcount_prefix
 from .codec import ALIGN, FieldCodec, SignCodec, TritCodec, bits_for
 from .collectives import bytes_moved, field_width, pack_fields, unpack_fields
 
@@ -433,6 +434,26 @@ class OneBit(Algorithm):
     name = "1bit"
     calls = 2
 
+    def _vote_packed(self, rows: Tensor, width: int, real: int, key: int, lo: int, contrib: Contribution):
+        """MaVo of this rank's chunk straight from the senders' packed sign bits (no abstention, codes
+        back as 1 bit): the packed codes (exactly ``_SIGN.encode(rule.decide(s, None, …))``) and the
+        tally over the ``real`` coordinates that are not padding (:mod:`dlion.bitvote`)."""
+        N = self.world
+        planes = count_planes(rows.numpy())
+        gt, eq = compare_count(planes, N // 2)  # count > N/2: +1; count == N/2 (even N): a tie
+        real = max(0, min(real, width))
+        unanimous = sum(popcount_prefix(compare_count(planes, t)[1], real) for t in (0, N))
+        tied = 0
+        if N % 2 == 0:
+            tied = popcount_prefix(eq, real)  # (padding has count 0: never a tie)
+            if tied:
+                where = torch.from_numpy(np.flatnonzero(np.unpackbits(eq, count=width, bitorder="little")))
+                at = where + lo if contrib.positions is None else contrib.index(lo, width)[where]
+                plus = np.zeros(width, dtype=np.uint8)
+                plus[where.numpy()] = self.rule.tie_codes(key, at, contrib.previous).numpy() > 0
+                gt |= np.packbits(plus, bitorder="little")
+        return torch.from_numpy(gt), torch.tensor([real, unanimous, tied], dtype=torch.int64)
+
     def wire(self, n: int, k: int) -> list[tuple[str, int]]:
         N, c = self.world, n // self.world
         up = N * (4 * _header_words(k, _capacity(c)) + _pad4(c // 8))
@@ -463,6 +484,13 @@ class OneBit(Algorithm):
         out = contrib.flags_known(_outcome(info))
         if out.failed:
             return out
+        down_codec = self._codes_codec(info["abstains"], state.down)
+        if (fmt == "runs" and not info["abstains"] and self.rule.vote == "mavo"
+                and isinstance(down_codec, SignCodec) and payloads.device.type == "cpu"):
+            # every rank voted everywhere and the codes come back as 1 bit: vote on the packed bits
+            block, out.tally = self._vote_packed(payloads[:, :c // 8], c, numel - lo, key, lo, contrib)
+            out.codes = down_codec.decode((yield ("all_gather", block, "codes")), n)
+            return out
         s, nz = self._count(payloads[:, :codec.nbytes(c)], fmt, N, c, _runs_table(hdrs, k, fmt, info), cap, lo,
                             numel, info["abstains"])
         mine = self.rule.decide(s, nz, key=key, start=lo, index=contrib.index(lo, c),
@@ -480,7 +508,7 @@ class OneBit(Algorithm):
             out.codes = codes
             return out
         # way back: every rank gathers every chunk's codes
-        codec = self._codes_codec(info["abstains"], state.down)
+        codec = down_codec
         block = self._down_block(mine, numel, lo, codec, cap)
         gathered = yield ("all_gather", block, "codes")
         codes = self._down_decode(gathered, N, c, codec, cap)
