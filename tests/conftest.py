@@ -62,5 +62,6 @@ def configs_worker(rank, world, configs):
         out.append(dict(params=[p.detach().clone() for p in params], stats=opt.comm_stats.state_dict(),
                         momenta=[opt.state[p]["exp_avg"].clone() if "exp_avg" in opt.state[p] else None
                                  for p in params],
-                        layout=opt.bucket_layout() if world > 1 else None, algorithms=opt.algorithm_names))
+                        layout=opt.bucket_layout() if world > 1 else None, algorithms=opt.algorithm_names,
+                        steps=[float(opt.state[p]["step"]) if "step" in opt.state[p] else 0.0 for p in params]))
     return out

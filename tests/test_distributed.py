@@ -110,6 +110,9 @@ def test_matches_simulated_workers_and_ranks_agree_bitwise(world):
             if not cfg.get("dense"):
                 assert torch.equal(res["params"][2], init_params(0)[2])
                 assert torch.equal(res["params"][0][0], row)
+            # the per-parameter step counters: every step that moved the parameter, none for the one never updated
+            updated = [g is not None for g in grads_for(0, 0, cfg.get("dense", False))]
+            assert res["steps"] == [STEPS if moved else 0.0 for moved in updated], (cfg, res["steps"])
         if cfg.get("ties") == "previous" and world % 2 == 0:  # the rule is exercised: it is not the coin's
             coin = next(c for c, other in enumerate(CONFIGS) if other == dict(vote="mavo", ties="random"))
             if cfg == dict(vote="mavo", ties="previous"):

@@ -664,13 +664,13 @@ class DistributedLion(Lion):
             buf = self._buffers[k]
             apply_codes(b, o.codes, active, buf.work, buf.work_views, group["lr"], group["weight_decay"],
                         self.world_size if self.rule.vote == "avg" else 1)
+            self._steps[k].add_(o.has_grad.to(self._steps[k].dtype))
         last = self._buffers[k].last_vote
         if last is not None:  # ties="previous": this step's codes are the next step's tie-breakers
             if any(active):
                 last.copy_(o.codes)
             else:
                 last.zero_()
-            self._steps[k].add_(o.has_grad.to(self._steps[k].dtype))
         if any(present) and not self.delay:  # (delay=1: updated when contributed)
             update_momentum(b, self._buffers[k], present, group["betas"][1], self._scratch,
                             fused=group.get("fused", False))
