@@ -175,3 +175,11 @@ def test_tie_coins_equal_the_hash_written_out_on_both_code_paths():
         want = torch.tensor([_coin_by_hand(key, int(i)) for i in index], dtype=torch.int8)
         assert torch.equal(tie_coins_at(key, index), want)          # CPU: numpy uint32
         assert torch.equal(_tie_coins_at_torch(key, index), want)   # elsewhere: torch int64
+
+
+@pytest.mark.parametrize("start, n", [(0, 8), (7000, 4000), (2**32 - 16, 40)])
+def test_coin_bits_are_the_coins_packed(start, n):
+    from dlion.aggregation import coin_bits
+
+    want = [_coin_by_hand(12345, i) > 0 for i in range(start, start + n)]
+    assert np.unpackbits(coin_bits(12345, start, n), bitorder="little")[:n].tolist() == want

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from .codec import FieldCodec, SignCodec, TritCodec, bits_for
 
-__all__ = ["VoteRule", "tie_coins", "tie_coins_at", "VOTES", "TIES"]
+__all__ = ["VoteRule", "tie_coins", "tie_coins_at", "coin_bits", "VOTES", "TIES"]
 
 VOTES = ("mavo", "avg")
 TIES = ("zero", "random", "previous")
@@ -82,6 +82,22 @@ def tie_coins_at(key: int, index: Tensor) -> Tensor:
         x = (x >> 16) ^ x
         return torch.from_numpy((x & 1).astype(np.int8) * np.int8(2) - np.int8(1))
     return _tie_coins_at_torch(key, index)
+
+
+def coin_bits(key: int, start: int, n: int) -> np.ndarray:
+    """:func:`tie_coins` of coordinates start … start+n−1 as packed bits (1 = +1, little-endian bit
+    order), computed for every coordinate at once in numpy's uint32: cheaper than listing the ties
+    when many coordinates tie."""
+    x = np.arange(start, start + n, dtype=np.int64).astype(np.uint32)
+    x ^= np.uint32(key & _MASK32)
+    m = np.uint32(0x45D9F3B)
+    x ^= x >> 16
+    x *= m
+    x ^= x >> 16
+    x *= m
+    x ^= x >> 16
+    x &= np.uint32(1)
+    return np.packbits(x.astype(np.uint8), bitorder="little")
 
 
 def _tie_coins_at_torch(key: int, index: Tensor) -> Tensor:
@@ -138,6 +154,16 @@ class VoteRule:
                 at = where + start if index is None else index.to(s.device)[where]
                 code[where] = self.tie_codes(key, at, previous)
         return code
+
+    def tie_bits(self, key: int, start: int, n: int, previous: Optional[Tensor] = None) -> np.ndarray:
+        """:meth:`tie_codes` of the contiguous coordinates start … start+n−1 as packed bits (1 = +1)
+        for every one of them, tied or not (CPU)."""
+        bits = coin_bits(key, start, n)
+        if self.ties == "previous" and previous is not None:
+            last = previous[start:start + n].numpy()
+            moved = np.packbits(last != 0, bitorder="little")
+            bits = (moved & np.packbits(last > 0, bitorder="little")) | (~moved & bits)
+        return bits
 
     def tie_codes(self, key: int, at: Tensor, previous: Optional[Tensor] = None) -> Tensor:
         """±1 (int8) for tied coordinates ``at`` (int64, bucket coordinates), ``ties`` "random"

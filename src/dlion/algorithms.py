@@ -446,11 +446,13 @@ class OneBit(Algorithm):
         tied = 0
         if N % 2 == 0:
             tied = popcount_prefix(eq, real)  # (padding has count 0: never a tie)
-            if tied:
+            if tied and contrib.positions is None:  # every coordinate's tie code at once, kept where tied
+                gt |= eq & self.rule.tie_bits(key, lo, width, contrib.previous)
+            elif tied:  # gathered coordinates (a compacted bucket): look up the tied ones only
                 where = torch.from_numpy(np.flatnonzero(np.unpackbits(eq, count=width, bitorder="little")))
-                at = where + lo if contrib.positions is None else contrib.index(lo, width)[where]
                 plus = np.zeros(width, dtype=np.uint8)
-                plus[where.numpy()] = self.rule.tie_codes(key, at, contrib.previous).numpy() > 0
+                codes = self.rule.tie_codes(key, contrib.index(lo, width)[where], contrib.previous)
+                plus[where.numpy()] = codes.numpy() > 0
                 gt |= np.packbits(plus, bitorder="little")
         return torch.from_numpy(gt), torch.tensor([real, unanimous, tied], dtype=torch.int64)
 
