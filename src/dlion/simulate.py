@@ -127,8 +127,11 @@ class SimulatedDistributedLion:
             if any(active):
                 apply_codes(b, outcome.codes, active, self.updates[kb], self.update_views[kb], self.lr,
                             self.weight_decay, N if self.rule.vote == "avg" else 1)  # as DistributedLion applies it
-            if self.last_votes[kb] is not None:
-                self.last_votes[kb].copy_(outcome.codes) if any(active) else self.last_votes[kb].zero_()
+            last = self.last_votes[kb]
+            if last is not None and any(active):
+                last.copy_(outcome.codes)
+            elif last is not None:
+                last.zero_()
             for i in range(N):
                 if any(present[i]):
                     update_momentum(b, self.buffers[i][kb], present[i], self.betas[1], self.scratch)
