@@ -157,12 +157,13 @@ def test_row_sum_counts_like_a_wide_sum(rows, width, kind, seed):
 
 
 def _coin_by_hand(key, i):
-    """The tie-coin hash of (key, coordinate i) in Python integers: the documented contract."""
-    x = (i ^ key) & 0xFFFFFFFF
+    """The tie coin of (key, coordinate i) in Python integers, the documented contract: bit i mod 32
+    of the 32-bit hash of (key, i // 32)."""
+    x = ((i >> 5) ^ key) & 0xFFFFFFFF
     x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
     x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
     x = (x >> 16) ^ x
-    return 1 if x & 1 else -1
+    return 1 if (x >> (i & 31)) & 1 else -1
 
 
 def test_tie_coins_equal_the_hash_written_out_on_both_code_paths():
@@ -177,7 +178,7 @@ def test_tie_coins_equal_the_hash_written_out_on_both_code_paths():
         assert torch.equal(_tie_coins_at_torch(key, index), want)   # elsewhere: torch int64
 
 
-@pytest.mark.parametrize("start, n", [(0, 8), (7000, 4000), (2**32 - 16, 40)])
+@pytest.mark.parametrize("start, n", [(0, 8), (7000, 4000), (2**32 - 16, 40), (13, 27), (40, 5), (2**37 + 3, 100)])
 def test_coin_bits_are_the_coins_packed(start, n):
     from dlion.aggregation import coin_bits
 

@@ -66,46 +66,55 @@ def coin_key(seed: int, step: int, bucket: int) -> int:
 
 
 def tie_coins(key: int, start: int, n: int, device=None) -> Tensor:
-    """±1 (int8) for coordinates start … start+n−1: bit 0 of a 32-bit integer hash
-    of (key, index). Uses only int64 products below 2^63, so CPU and CUDA agree."""
+    """±1 (int8) for coordinates start … start+n−1 (see :func:`tie_coins_at`)."""
     return tie_coins_at(key, torch.arange(start, start + n, dtype=torch.int64, device=device))
 
 
 def tie_coins_at(key: int, index: Tensor) -> Tensor:
-    """:func:`tie_coins` for arbitrary (int64) coordinates ``index``. On the CPU the hash runs in
-    numpy's uint32, whose products wrap modulo 2^32: the same bits as the int64 products masked
-    to 32 bits, in half the memory traffic."""
+    """±1 (int8) for arbitrary (int64) coordinates ``index``: bit i mod 32 of a 32-bit integer
+    hash of (key, ⌊i/32⌋). One hash serves 32 neighbouring coordinates, so the packed coins of
+    a chunk (:func:`coin_bits`) are the hashes' own bytes. Uses only int64 products below 2^63,
+    so CPU and CUDA agree; on the CPU the hash runs in numpy's uint32, whose products wrap
+    modulo 2^32: the same bits as the int64 products masked to 32 bits."""
     if index.device.type == "cpu":
-        x = index.numpy().astype(np.uint32) ^ np.uint32(key & _MASK32)  # the low 32 bits of index ^ key
-        x = ((x >> 16) ^ x) * np.uint32(0x45D9F3B)
-        x = ((x >> 16) ^ x) * np.uint32(0x45D9F3B)
-        x = (x >> 16) ^ x
-        return torch.from_numpy((x & 1).astype(np.int8) * np.int8(2) - np.int8(1))
+        i = index.numpy()
+        x = _hash_words(key, (i >> 5).astype(np.uint32))
+        return torch.from_numpy(((x >> (i & 31).astype(np.uint32)) & 1).astype(np.int8) * np.int8(2) - np.int8(1))
     return _tie_coins_at_torch(key, index)
+
+
+def _hash_words(key: int, w: np.ndarray) -> np.ndarray:
+    """The 32-bit hash of (key, word w) in numpy's uint32, in place on ``w``."""
+    m = np.uint32(0x45D9F3B)
+    w ^= np.uint32(key & _MASK32)
+    w ^= w >> 16
+    w *= m
+    w ^= w >> 16
+    w *= m
+    w ^= w >> 16
+    return w
 
 
 def coin_bits(key: int, start: int, n: int) -> np.ndarray:
     """:func:`tie_coins` of coordinates start … start+n−1 as packed bits (1 = +1, little-endian bit
-    order), computed for every coordinate at once in numpy's uint32: cheaper than listing the ties
-    when many coordinates tie."""
-    x = np.arange(start, start + n, dtype=np.int64).astype(np.uint32)
-    x ^= np.uint32(key & _MASK32)
-    m = np.uint32(0x45D9F3B)
-    x ^= x >> 16
-    x *= m
-    x ^= x >> 16
-    x *= m
-    x ^= x >> 16
-    x &= np.uint32(1)
-    return np.packbits(x.astype(np.uint8), bitorder="little")
+    order): the hashes of the 32-coordinate words they lie in, as little-endian bytes (one hash per
+    32 coins), cut to the range."""
+    first, last = start >> 5, (start + n + 31) >> 5
+    words = _hash_words(key, np.arange(first, last, dtype=np.int64).astype(np.uint32))
+    raw = words.astype("<u4", copy=False).view(np.uint8)
+    skip = start - 32 * first
+    if skip % 8 == 0 and n % 8 == 0:
+        return raw[skip // 8:skip // 8 + n // 8].copy()
+    bits = np.unpackbits(raw, bitorder="little")[skip:skip + n]
+    return np.packbits(bits, bitorder="little")
 
 
 def _tie_coins_at_torch(key: int, index: Tensor) -> Tensor:
-    x = (index ^ key) & _MASK32
+    x = ((index >> 5) ^ key) & _MASK32
     x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
     x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
     x = (x >> 16) ^ x
-    return ((x & 1) * 2 - 1).to(torch.int8)
+    return (((x >> (index & 31)) & 1) * 2 - 1).to(torch.int8)
 
 
 def _ties(s: Tensor, nz: Optional[Tensor]) -> Tensor:
