@@ -3,12 +3,16 @@ the library's algorithm objects and print the figures their docs describe."""
 
 import re
 
+import pytest
+
 from dlion.lab.bench import codec, comm
 
 
-def test_codec_bench_prints_every_stage_and_the_ratios(capsys):
-    assert codec.main(["--params", "20K", "--workers", "3", "--repeat", "2"]) == 0
+@pytest.mark.parametrize("workers, ties", [(3, "zero"), (4, "random"), (4, "previous")])
+def test_codec_bench_prints_every_stage_and_the_ratios(capsys, workers, ties):
+    assert codec.main(["--params", "20K", "--workers", str(workers), "--ties", ties, "--repeat", "2"]) == 0
     out = capsys.readouterr().out
+    assert f"N={workers}, vote=mavo, ties={ties}," in out
     for stage in ("lion step", "contribute", "exchange", "apply"):
         assert re.search(rf"^{stage}\s+[\d.]+\s+[\d.]+$", out, re.M), stage
     assert "× the local Lion step" in out

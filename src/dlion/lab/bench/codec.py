@@ -74,11 +74,17 @@ def run(n: int, world: int, vote: str, comm: str, repeat: int, device: str, fuse
     rule = VoteRule(vote, world, ties=ties)
     alg = make_algorithm(comm, rule)
     states = [WireState(up="narrow" if comm == "pbit" else "runs") for _ in range(world)]
+    # ties="previous": the last step's codes, the same on every rank (a tenth of them 0: the coin decides there)
+    previous = None
+    if ties == "previous":
+        previous = torch.randint(0, 2, (b.padded,), generator=g, dtype=torch.int8) * 2 - 1
+        previous[torch.rand(b.padded, generator=g) < 0.1] = 0
+        previous = previous.to(device)
     contribs = []
     for r in range(world):
         values, present, _ = contribute(b, bufs[r], [grads[r]], scratch, beta1=0.9, maximize=False, borrow=True,
                                         fused=fused)
-        contribs.append(Contribution(values.clone(), b.numel, torch.tensor(present)))
+        contribs.append(Contribution(values.clone(), b.numel, torch.tensor(present), previous=previous))
     inside = [0.0]
 
     def exchange():
@@ -132,8 +138,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--workers", type=int, default=4, help="N for the vote (default 4)")
     ap.add_argument("--vote", choices=("mavo", "avg"), default="mavo")
     ap.add_argument("--comm", choices=("1bit", "allgather", "pbit"), default="1bit")
-    ap.add_argument("--ties", choices=("zero", "random"), default="zero",
-                    help="MaVo's ties (default zero: with an even N the codes come back in base 3)")
+    ap.add_argument("--ties", choices=("zero", "random", "previous"), default="zero",
+                    help="MaVo's ties (default zero: with an even N the codes come back in base 3; previous: "
+                         "the last step's codes are random, a tenth of them 0)")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: one rank per core)")
     ap.add_argument("--device", default="cpu")
