@@ -1,6 +1,7 @@
 """Smoke test of ``dlion bench e2e`` in loopback mode (no namespaces, no root needed)."""
 
 import json
+import os
 
 import pytest
 
@@ -40,15 +41,18 @@ def test_parse_methods_groups_and_errors():
 
 @pytest.mark.parametrize("mode", ["interleaved", "sequential"])
 def test_e2e_loopback_smoke(tmp_path, capsys, mode):
+    root = os.geteuid() == 0  # --compute-nice goes back to 0 between blocks of methods: root only
     methods = ["compute", "sync-only", "g-lion", "g-lion-powersgd2", "d-mavo-1bit-ov", "d-mavo-pbit",
                "d-mavo-1bit-rt-dl"]
     rc = e2e.main(["--loopback", "--workers", "2", "--methods", ",".join(methods), "--steps", "3",
                    "--warmup", "1", "--n-layer", "1", "--n-embd", "32", "--block-size", "16",
                    "--synthetic", "--no-progress", "--out", str(tmp_path)]
-                  + (["--sequential"] if mode == "sequential" else []))
+                  + (["--sequential"] if mode == "sequential" else [])
+                  + (["--compute-nice", "3"] if root else []))
     assert rc == 0
     text = capsys.readouterr().out
     assert "link loopback: 2 ranks" in text
+    assert ("training threads at nice 3" in text) == root
     for m in methods:
         assert e2e.label(m) in text
     assert "compute/communication" in text and "best D-Lion MaVo" in text and "fastest overall" in text
@@ -164,3 +168,33 @@ def test_summary_pools_every_ranks_steps_into_median_and_mean():
     out = summarize(per_rank)
     assert out["ms_per_step"] == pytest.approx(100.0)  # the median hides the one slow step ...
     assert out["ms_mean"] == pytest.approx(200.0)      # ... the mean charges it: (5·100 + 700) / 6
+
+
+def test_compute_nice_lowers_only_the_calling_thread_and_what_it_starts():
+    import threading
+
+    from dlion.lab.bench.e2e.launch import set_priority
+
+    seen = {}
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    target = min(19, before + 4)  # (raising a nice value needs no privilege)
+
+    def training_thread():
+        set_priority(target)
+        seen["self"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        child = threading.Thread(target=lambda: seen.update(child=os.getpriority(
+            os.PRIO_PROCESS, threading.get_native_id())))
+        child.start()
+        child.join()
+
+    t = threading.Thread(target=training_thread)
+    t.start()
+    t.join()
+    assert seen == {"self": target, "child": target}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # this thread untouched
+
+
+def test_compute_nice_out_of_range_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        e2e.main(["--loopback", "--compute-nice", "20", "--methods", "compute"])
+    assert "--compute-nice must be in 0..19" in capsys.readouterr().err

@@ -115,6 +115,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--fused", action="store_true",
                     help="every optimizer's fused CPU kernel: dlion's fused=True (compute, G-Lion, D-Lion) and "
                          "torch.optim.AdamW(fused=True) (G-AdamW and its PowerSGD runs)")
+    ap.add_argument("--compute-nice", type=int, default=0, metavar="K",
+                    help="run each rank's training thread (forward, backward, optimizer) at nice K (0-19) once "
+                         "every method is built, leaving the process groups' communication threads at 0: the "
+                         "scheduling of a machine whose compute runs elsewhere (a GPU), for every method alike "
+                         "(default 0: off)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--replot", default=None, metavar="JSON",
                     help="redraw e2e_step_time.png in --out from an earlier e2e_results.json, without running")
@@ -149,6 +154,8 @@ def main(argv: list[str]) -> int:
     args.workers = resolve_workers(ap, args, default=4, minimum=2)
     if args.steps < 1 or args.warmup < 0:
         ap.error("--steps must be >= 1 and --warmup >= 0")
+    if not 0 <= args.compute_nice <= 19:
+        ap.error(f"--compute-nice must be in 0..19, got {args.compute_nice}")
     try:
         methods = parse_methods(args.methods)
     except ValueError as e:
@@ -167,7 +174,7 @@ def main(argv: list[str]) -> int:
            "quant_bits": args.quant_bits, "lr": args.lr,
            "weight_decay": args.weight_decay, "seed": args.seed, "synthetic": args.synthetic,
            "ties": args.ties, "timeout": args.timeout, "sequential": args.sequential, "methods": methods,
-           "nodes": args.nodes, "per_node": args.per_node, "fused": args.fused}
+           "nodes": args.nodes, "per_node": args.per_node, "fused": args.fused, "compute_nice": args.compute_nice}
     if args.loopback:
         links = [("loopback", None)]
     else:

@@ -56,7 +56,12 @@ def run_methods(rank: int, world: int, cfg: dict, train_ids, vocab_size: int,
         # would hide it, so those methods always run as a block of their own steps.
         blocks = methods if cfg["sequential"] else [m for m in methods if applies_next_step(m)]
         for m in blocks:
+            nice = cfg.get("compute_nice", 0)
+            if nice:
+                set_priority(0)  # its process groups' threads at 0, like every other method's
             run = make(m)
+            if nice:
+                set_priority(nice)
             dist.barrier()
             for it, (x, y) in enumerate(batches):
                 run.step(x, y, it >= cfg["warmup"])
@@ -70,7 +75,11 @@ def run_methods(rank: int, world: int, cfg: dict, train_ids, vocab_size: int,
         methods = [m for m in methods if m not in blocks]
         if not methods:
             return
+        if cfg.get("compute_nice", 0):
+            set_priority(0)
         runs = [make(m) for m in methods]
+        if cfg.get("compute_nice", 0):
+            set_priority(cfg["compute_nice"])
         for it, (x, y) in enumerate(batches):
             k = it % len(runs)
             for run in runs[k:] + runs[:k]:
@@ -85,6 +94,25 @@ def run_methods(rank: int, world: int, cfg: dict, train_ids, vocab_size: int,
             emit(run.result())
     finally:
         inst.uninstall()
+
+
+def set_priority(nice: int) -> None:
+    """This thread (the rank's training thread) at ``nice`` (``--compute-nice``). Threads that
+    exist already (the process groups' communication threads, created with the groups) keep
+    theirs; threads it starts later (DistributedLion's exchange thread) inherit it. Linux: the
+    priority is per thread. Going back to 0 (before a later method builds its process groups)
+    needs root, which the virtual cluster has."""
+    import threading
+
+    tid = threading.get_native_id()
+    if os.getpriority(os.PRIO_PROCESS, tid) == nice:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except PermissionError:
+        raise RuntimeError(f"--compute-nice: cannot set this thread's nice value to {nice} without root (a nice "
+                           "value can only be raised); run the methods interleaved (no --sequential, no "
+                           "delay=1 methods) or as root") from None
 
 
 def uplink_counter(cfg: dict) -> Optional[Callable[[], int]]:

@@ -307,7 +307,8 @@ def write_report(args, cfg: dict, methods: list[str], links: list, raw: dict, fa
         where += (f", {cfg['nodes']} nodes × {cfg['per_node']} ranks" +
                   ("" if args.loopback else " (unshaped inside a node; the rate is each node uplink's)"))
     header = (f"dlion bench e2e: {world} ranks on one machine ({os.cpu_count()} CPU cores shared by all ranks, "
-              f"1 torch thread per rank), {where}; torch {torch.__version__}; {elapsed / 60:.1f} min")
+              f"1 torch thread per rank{', training threads at nice %d' % cfg['compute_nice'] if cfg.get('compute_nice') else ''}), "
+              f"{where}; torch {torch.__version__}; {elapsed / 60:.1f} min")
     text = header + "\n\n" + "\n".join(tables)
     print(text)
     if failed:
