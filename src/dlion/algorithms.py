@@ -449,10 +449,10 @@ class OneBit(Algorithm):
             if tied and contrib.positions is None:  # every coordinate's tie code at once, kept where tied
                 gt |= eq & self.rule.tie_bits(key, lo, width, contrib.previous)
             elif tied:  # gathered coordinates (a compacted bucket): look up the tied ones only
-                where = torch.from_numpy(np.flatnonzero(np.unpackbits(eq, count=width, bitorder="little")))
+                where = np.flatnonzero(np.unpackbits(eq, count=width, bitorder="little"))
                 plus = np.zeros(width, dtype=np.uint8)
-                codes = self.rule.tie_codes(key, contrib.index(lo, width)[where], contrib.previous)
-                plus[where.numpy()] = codes.numpy() > 0
+                codes = self.rule.tie_codes(key, contrib.index(lo, width)[torch.from_numpy(where)], contrib.previous)
+                plus[where] = codes.numpy() > 0
                 gt |= np.packbits(plus, bitorder="little")
         return torch.from_numpy(gt), torch.tensor([real, unanimous, tied], dtype=torch.int64)
 

@@ -50,18 +50,24 @@ def run_methods(rank: int, world: int, cfg: dict, train_ids, vocab_size: int,
         run.count_uplinks, run.uplink_counter = bool(counting), uplinks
         return run
 
+    def build(fn):
+        """``fn()`` (building methods, hence their process groups and threads) at nice 0, then this
+        thread at ``--compute-nice`` for the steps."""
+        nice = cfg.get("compute_nice", 0)
+        if nice:
+            set_priority(0)
+        built = fn()
+        if nice:
+            set_priority(nice)
+        return built
+
     try:
         batches = make_batches(train_ids, cfg, rank)
         # A delay=1 method's exchange runs on until its next step: another method's step in between
         # would hide it, so those methods always run as a block of their own steps.
         blocks = methods if cfg["sequential"] else [m for m in methods if applies_next_step(m)]
         for m in blocks:
-            nice = cfg.get("compute_nice", 0)
-            if nice:
-                set_priority(0)  # its process groups' threads at 0, like every other method's
-            run = make(m)
-            if nice:
-                set_priority(nice)
+            run = build(lambda: make(m))
             dist.barrier()
             for it, (x, y) in enumerate(batches):
                 run.step(x, y, it >= cfg["warmup"])
@@ -75,11 +81,7 @@ def run_methods(rank: int, world: int, cfg: dict, train_ids, vocab_size: int,
         methods = [m for m in methods if m not in blocks]
         if not methods:
             return
-        if cfg.get("compute_nice", 0):
-            set_priority(0)
-        runs = [make(m) for m in methods]
-        if cfg.get("compute_nice", 0):
-            set_priority(cfg["compute_nice"])
+        runs = build(lambda: [make(m) for m in methods])
         for it, (x, y) in enumerate(batches):
             k = it % len(runs)
             for run in runs[k:] + runs[:k]:
