@@ -78,12 +78,15 @@ CONFIGS = [
     dict(vote="mavo", momentum_dtype=torch.bfloat16),
     dict(vote="avg", dense=True, momentum_dtype=torch.bfloat16),
     dict(vote="mavo", maximize=True),  # (the fp32 bucket reads its gradients in place, the fp64 one copies them)
-    dict(vote="mavo", ties="random", fused=True),  # compiled local math (fp32 and fp64 buckets; abstentions)
+    dict(vote="mavo", ties="random", fused=True),  # native local math (fp32 and fp64 buckets; abstentions)
     dict(vote="mavo", ties="previous"),
     dict(vote="mavo", ties="previous", dense=True, comm="pbit"),
     dict(vote="mavo", ties="previous", comm="allgather", bucket_cap_mb=40 * 4 / 2**20),
     dict(vote="avg", dense=True, maximize=True, fused=True),
     dict(vote="mavo", fused=True, momentum_dtype=torch.bfloat16),  # (falls back: bf16-stored momentum)
+    # no abstention: the 1-bit codes are applied from their packed bits; gradients read in place (fp32)
+    dict(vote="mavo", ties="random", dense=True, fused=True),
+    dict(vote="mavo", dense=True, maximize=True, fused=True),
 ]
 
 

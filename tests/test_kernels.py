@@ -1,6 +1,9 @@
 """The fused CPU kernels against the eager operations they replace, value for value, on
 random inputs that include zeros of both signs, infinities, NaN and subnormals."""
 
+import os
+
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -55,6 +58,15 @@ def test_the_fused_lion_rule_equals_the_four_lines(p, m, g, lr, wd, b1, b2, maxi
     want_p = p * (1 - lr * wd) - lr * torch.sign(b1 * m + (1 - b1) * gg)  # (a Python float times a tensor
     want_m = b2 * m + (1 - b2) * gg                                         # rounds like torch.mul)
     assert same(p2, want_p) and same(m2, want_m)
+    # the update from int8 codes and from packed bits, on the same special values
+    codes = torch.sign(b1 * m + (1 - b1) * gg).to(torch.int8)
+    codes[codes == 0] = 1
+    bits = torch.from_numpy(np.packbits((codes > 0).numpy(), bitorder="little")) if n else torch.zeros(1, dtype=torch.uint8)
+    want = p * (1 - lr * wd) - lr * codes.to(p.dtype)
+    p3, p4 = p.clone(), p.clone()
+    kernels.apply_codes_(p3, codes, lr, wd)
+    kernels.apply_signs_(p4, [0], bits, lr, wd)
+    assert same(p3, want) and same(p4, want)
 
 
 def test_supported_only_for_cpu_fp32_fp64_of_one_dtype():
@@ -65,36 +77,110 @@ def test_supported_only_for_cpu_fp32_fp64_of_one_dtype():
     assert not kernels.supported(torch.zeros(3, device="meta"))
 
 
-def test_a_failed_compilation_names_the_option_and_the_way_out(monkeypatch):
-    def broken(fn, **kw):
-        def raise_(*a):
-            raise OSError("no C++ compiler")
-        return raise_
-
-    monkeypatch.setattr(torch, "compile", broken)
-    kernels._compiled.cache_clear()
+def test_a_failed_build_names_the_option_and_the_way_out(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("DLION_CACHE_DIR", str(tmp_path / "cache"))
+    kernels._load.cache_clear()
     try:
         with pytest.raises(RuntimeError, match="fused=False") as info:
             kernels.momentum_update_(torch.zeros(3), torch.ones(3), 0.9, 0.1)
         assert isinstance(info.value.__cause__, OSError)
+        assert not kernels.available()
+        # the codec helpers still work, through numpy: the same bits
+        v = torch.tensor([1, -1, 0, 1, 1, 0, -1, 1], dtype=torch.int8)
+        assert kernels.pack_positive(v).tolist() == [0b10011001]
+        assert kernels.unpack_signs(torch.tensor([0b10011001], dtype=torch.uint8), 7).tolist() == [1, -1, -1, 1, 1,
+                                                                                                    -1, -1]
+        assert kernels.count_zeros(v) == 2
     finally:
-        kernels._compiled.cache_clear()
+        kernels._load.cache_clear()
 
 
-def test_past_the_recompile_limit_the_kernels_still_give_the_eager_values():
-    """A process that meets many shapes and dtypes (or inherits compiled variants through fork)
-    exceeds dynamo's recompile limit; the call must then run the same ops eagerly, not fail."""
-    import torch._dynamo
-
-    kernels._compiled.cache_clear()
-    torch._dynamo.reset()
+def test_the_library_is_built_once_into_the_cache_and_reused(monkeypatch, tmp_path):
+    monkeypatch.setenv("DLION_CACHE_DIR", str(tmp_path))
+    kernels._load.cache_clear()
     try:
-        with torch._dynamo.config.patch(recompile_limit=1):
-            for dtype, n in [(torch.float32, 50), (torch.float64, 50), (torch.float32, 1), (torch.float64, 1)]:
-                m, g = torch.randn(n, dtype=dtype), torch.randn(n, dtype=dtype)
-                m2 = m.clone()
-                kernels.momentum_update_(m2, g, 0.99, 0.01)
-                assert same(m2, torch.mul(m, 0.99).add_(torch.mul(g, 0.01)))
+        assert kernels.available()
+        built = list(tmp_path.glob("kernels-*.so"))
+        assert len(built) == 1 and not list(tmp_path.glob("*.tmp"))
+        stamp = built[0].stat().st_mtime_ns
+        kernels._load.cache_clear()
+        assert kernels.available() and built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
     finally:
-        kernels._compiled.cache_clear()
-        torch._dynamo.reset()
+        kernels._load.cache_clear()
+
+
+def test_many_segments_in_one_call_equal_one_call_each():
+    """A bucket's tensors go to the library as one array of pointers: the same values as the
+    eager ops tensor by tensor, sizes 0 and 1 and a size above the library's chunk included."""
+    g = torch.Generator().manual_seed(0)
+    sizes = [0, 1, 7, 300, 70_001, 5]
+    for dtype in (torch.float32, torch.float64):
+        ps = [torch.randn(n, generator=g, dtype=dtype) for n in sizes]
+        ms = [torch.randn(n, generator=g, dtype=dtype) for n in sizes]
+        gs = [torch.randn(n, generator=g, dtype=dtype) for n in sizes]
+        ms[3][5] = 0.0
+        gs[3][5] = 0.0  # c = 0: sign 0
+        outs = [torch.full((n,), 7, dtype=torch.int8) for n in sizes]
+        assert kernels.sign_contribution(ms, gs, 0.9, 0.1, outs)
+        for m, gg, o in zip(ms, gs, outs):
+            assert torch.equal(o, torch.sign(torch.mul(m, 0.9).add_(torch.mul(gg, 0.1))).to(torch.int8))
+        assert outs[3][5] == 0
+        gs[4][70_000] = float("inf")
+        assert not kernels.sign_contribution(ms, gs, 0.9, 0.1, outs)
+        gs[4][70_000] = 0.5
+        codes = [torch.randint(-1, 2, (n,), generator=g, dtype=torch.int8) for n in sizes]
+        want = [p * (1 - 0.01 * 0.1) - 0.01 * c.to(dtype) for p, c in zip(ps, codes)]
+        kernels.apply_codes_(ps, codes, 0.01, 0.1)
+        assert all(same(p, w) for p, w in zip(ps, want))
+        # the same update from packed 1-bit codes, segments starting at any bit
+        starts = [3 + sum(sizes[:i]) + 5 * i for i in range(len(sizes))]
+        n_bits = starts[-1] + sizes[-1] + 8
+        bits = torch.randint(0, 256, ((n_bits + 7) // 8,), generator=g, dtype=torch.uint8)
+        signs = [torch.tensor([1 if (int(bits[i // 8]) >> (i % 8)) & 1 else -1 for i in range(st, st + n)],
+                              dtype=torch.int8) for st, n in zip(starts, sizes)]  # (decoded by hand)
+        want = [p * (1 - 0.01 * 0.1) - 0.01 * c.to(dtype) for p, c in zip(ps, signs)]
+        kernels.apply_signs_(ps, starts, bits, 0.01, 0.1)
+        assert all(same(p, w) for p, w in zip(ps, want))
+        with pytest.raises(ValueError, match="past the packed bits"):
+            kernels.apply_signs_(ps[-1:], [8 * bits.numel() - 2], bits, 0.01, 0.1)
+        want_m = [torch.mul(m, 0.99).add_(torch.mul(gg, 0.01)) for m, gg in zip(ms, gs)]
+        kernels.momentum_update_(ms, gs, 0.99, 0.01)
+        assert all(same(m, w) for m, w in zip(ms, want_m))
+        p2, m2 = [p.clone() for p in ps], [m.clone() for m in ms]
+        kernels.lion_update_(p2, m2, gs, 0.01, 0.1, 0.9, 0.99)
+        for p, m, gg, pp, mm in zip(ps, ms, gs, p2, m2):
+            assert same(pp, p * (1 - 0.01 * 0.1) - 0.01 * torch.sign(0.9 * m + (1 - 0.9) * gg))
+            assert same(mm, 0.99 * m + (1 - 0.99) * gg)
+
+
+def test_kernels_refuse_mismatched_segments_and_strided_tensors():
+    with pytest.raises(ValueError, match="sizes"):
+        kernels.momentum_update_([torch.zeros(3)], [torch.zeros(4)], 0.9, 0.1)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.momentum_update_(torch.zeros(3, 2).t(), torch.zeros(2, 3), 0.9, 0.1)
+    with pytest.raises(ValueError, match="fp32 or fp64"):
+        kernels.momentum_update_(torch.zeros(3, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.bfloat16), 0.9, 0.1)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        kernels.pack_positive(torch.zeros(7, dtype=torch.int8))
+
+
+codes = st.lists(st.sampled_from([-1, 0, 1]), min_size=0, max_size=200)
+
+
+@settings(max_examples=60, deadline=None)
+@given(v=codes, extra=st.integers(0, 7))
+def test_codec_loops_native_and_numpy_agree_with_the_definition(v, extra):
+    v = v[:len(v) - len(v) % 8]
+    t = torch.tensor(v, dtype=torch.int8)
+    want_bits = [sum(1 << k for k in range(8) if v[8 * j + k] > 0) for j in range(len(v) // 8)]
+    n = max(0, len(v) - extra)
+    for native in ("1", "0"):
+        os.environ["DLION_NATIVE"] = native
+        try:
+            packed = kernels.pack_positive(t)
+            assert packed.tolist() == want_bits
+            assert kernels.unpack_signs(packed, n).tolist() == [1 if x > 0 else -1 for x in v[:n]]
+            assert kernels.count_zeros(t) == v.count(0)
+        finally:
+            del os.environ["DLION_NATIVE"]

@@ -53,6 +53,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from . import kernels
 from .aggregation import VoteRule
 from .bitvote import compare_count, count_planes, popcount_prefix
 from .codec import ALIGN, FieldCodec, SignCodec, TritCodec, bits_for
@@ -103,7 +104,7 @@ class Contribution:
 class Outcome:
     """What every rank knows after a bucket's aggregation (identical on all ranks)."""
 
-    codes: Optional[Tensor]     # the rule's codes for the padded bucket; None if the step must not apply
+    _codes: Optional[Tensor]    # the rule's codes for the padded bucket (``codes``); None if the step must not apply
     has_grad: Tensor            # bool per parameter: a gradient on some rank
     bad: int = 0                # ranks that rejected their gradients
     nonfinite: int = 0          # ranks with inf/NaN
@@ -113,6 +114,20 @@ class Outcome:
     #: int64 [coordinates voted on, unanimous (|s| = N), tied (s = 0, some vote)] over the coordinates
     #: this rank decided (its chunk for ``1bit``, the whole bucket otherwise); None for ``quantized``
     tally: Optional[Tensor] = None
+    #: The codes as packed bits (1 = +1, little-endian bit order) where they came back as 1 bit: the
+    #: native update reads these directly (:func:`dlion.buckets.apply_signs`), and ``codes`` is
+    #: decoded from them only when something asks for it.
+    signs: Optional[Tensor] = None
+
+    @property
+    def codes(self) -> Optional[Tensor]:
+        if self._codes is None and self.signs is not None:
+            self._codes = _SIGN.decode(self.signs, 8 * self.signs.numel())
+        return self._codes
+
+    @codes.setter
+    def codes(self, value: Optional[Tensor]) -> None:
+        self._codes, self.signs = value, None
 
     @property
     def failed(self) -> bool:
@@ -181,7 +196,12 @@ def zero_runs(values: Tensor, rows: int, numel: int) -> tuple[Tensor, Tensor, Te
     return row, at[first] - row * width, at[last] + 1 - row * width
 
 
+_NO_RUNS = (torch.zeros(0, dtype=torch.int64),) * 3
+
+
 def _has_zeros(values: Tensor) -> bool:
+    if values.device.type == "cpu" and values.dtype == torch.int8:
+        return kernels.count_zeros(values) > 0
     if values.device.type == "cpu":
         return int(np.count_nonzero(values.numpy())) < values.numel()
     return not bool(values.all())
@@ -466,7 +486,13 @@ class OneBit(Algorithm):
         N, n, numel = self.world, contrib.values.numel(), contrib.numel
         c, k = n // N, contrib.has_grad.numel()
         cap, lo = _capacity(c), rank * c
-        runs = zero_runs(contrib.values, N, numel)
+        packed = None
+        if contrib.values.device.type == "cpu" and contrib.values.dtype == torch.int8 and kernels.available():
+            # the 1-bit payload and whether there is any zero to describe, in one pass over the signs
+            packed, zeros = kernels.pack_positive_counting(contrib.values, numel)
+            runs = zero_runs(contrib.values, N, numel) if zeros else _NO_RUNS
+        else:
+            runs = zero_runs(contrib.values, N, numel)
         # many zeros besides whole parameters without gradient: the codes come back without _ByVoters
         scattered = bool(runs[0].numel()) and _zeros_within_parameters(contrib) > cap // 2
         # way up: block r = this rank's header (with its zero runs in chunk r) + its signs of chunk r
@@ -474,7 +500,8 @@ class OneBit(Algorithm):
             fmt = state.up
             headers = _headers(contrib, N, cap, runs, slots=fmt == "runs", scattered=scattered)
             codec = _SIGN if fmt == "runs" else _TRIT
-            received = yield ("all_to_all", _blocks(headers, codec.encode(contrib.values), N), "signs")
+            body = packed if fmt == "runs" and packed is not None else codec.encode(contrib.values)
+            received = yield ("all_to_all", _blocks(headers, body, N), "signs")
             hdrs, payloads = _split(received, N, headers.shape[1])
             info = _read_headers(hdrs, k)
             if fmt == "runs" and info["overflow"]:
@@ -491,7 +518,8 @@ class OneBit(Algorithm):
                 and isinstance(down_codec, SignCodec) and payloads.device.type == "cpu"):
             # every rank voted everywhere and the codes come back as 1 bit: vote on the packed bits
             block, out.tally = self._vote_packed(payloads[:, :c // 8], c, numel - lo, key, lo, contrib)
-            out.codes = down_codec.decode((yield ("all_gather", block, "codes")), n)
+            gathered = yield ("all_gather", block, "codes")
+            out.signs = gathered.reshape(-1)[:n // 8]  # decoded only if asked for (Outcome.codes)
             return out
         s, nz = self._count(payloads[:, :codec.nbytes(c)], fmt, N, c, _runs_table(hdrs, k, fmt, info), cap, lo,
                             numel, info["abstains"])

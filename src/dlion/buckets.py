@@ -177,9 +177,10 @@ def contribute(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], scrat
     negation for ``maximize`` is exact). Low-precision gradients (cast to fp32 on the copy) and
     buckets of many tiny parameters (a per-parameter operation would cost more) copy anyway.
 
-    ``fused=True`` (:func:`fused_applies`): the gradients are copied into ``buf.grad`` and
-    c, its sign and the finiteness check are one compiled loop (:mod:`dlion.kernels`), the
-    same roundings; ``borrow`` is then ignored."""
+    ``fused=True`` (:func:`fused_applies`): c, its sign and the finiteness check are one native
+    loop over the whole bucket (:mod:`dlion.kernels`), the same roundings, reading the
+    gradients where they are under the same ``borrow`` rules (copied into ``buf.grad`` first
+    otherwise)."""
     present = [g is not None for g in grads]
     values = buf.values
     buf.borrowed = None
@@ -189,10 +190,18 @@ def contribute(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], scrat
     partial = not all(present)
     out = values[:b.numel]
     if fused and quant is None and fused_applies(buf):
-        _copy_grads(buf, grads, present)
-        if maximize:
-            buf.grad.neg_()  # exact; what update_momentum reads, as on the eager path
-        finite = kernels.sign_contribution(buf.momentum, buf.grad, beta1, 1.0 - beta1, out)
+        if borrow and _borrowable(b, grads) and all(g is None or g.is_contiguous() for g in grads):
+            js = [j for j, ok in enumerate(present) if ok]
+            sign = -1.0 if maximize else 1.0  # (negating the product instead of g: exact either way)
+            finite = kernels.sign_contribution([buf.momentum_views[j] for j in js], [grads[j] for j in js],
+                                               beta1, sign * (1.0 - beta1),
+                                               [out[b.offsets[j]:b.offsets[j] + b.sizes[j]] for j in js])
+            buf.borrowed = (grads, sign)
+        else:
+            _copy_grads(buf, grads, present)
+            if maximize:
+                buf.grad.neg_()  # exact; what update_momentum reads, as on the eager path
+            finite = kernels.sign_contribution(buf.momentum, buf.grad, beta1, 1.0 - beta1, out)
     else:
         finite = _eager_contribution(b, buf, grads, present, scratch, beta1, maximize, quant, borrow, out)
     if partial:
@@ -235,7 +244,7 @@ def _eager_contribution(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor
 
 
 def fused_applies(buf: RankBuffers) -> bool:
-    """Whether ``fused=True`` takes the compiled path for this bucket: CPU, fp32/fp64, the
+    """Whether ``fused=True`` takes the native path for this bucket: CPU, fp32/fp64, the
     momentum stored in the work dtype."""
     return kernels.supported(buf.momentum, buf.grad)
 
@@ -269,11 +278,18 @@ def update_momentum(b: Bucket, buf: RankBuffers, present: list[bool], beta2: flo
     """m ← β2·m + (1 − β2)·g on the coordinates of parameters this rank had gradients for, g as the
     last :func:`contribute` read it (borrowed or copied). A momentum stored narrower than the work
     dtype is updated in the work dtype (in ``buf.work``, free once Δ is applied) and rounded once,
-    to nearest, on the way back. ``fused=True``: one compiled loop per span (the same roundings)."""
+    to nearest, on the way back. ``fused=True``: one native loop over the bucket (the same roundings)."""
     spans = [(0, b.numel)] if all(present) else b.ranges(present)
-    if fused and buf.borrowed is None and fused_applies(buf):
-        for lo, hi in spans:
-            kernels.momentum_update_(buf.momentum[lo:hi], buf.grad[lo:hi], beta2, 1.0 - beta2)
+    if fused and fused_applies(buf):
+        if buf.borrowed is not None:
+            grads, sign = buf.borrowed
+            buf.borrowed = None
+            js = [j for j, ok in enumerate(present) if ok and grads[j] is not None]
+            kernels.momentum_update_([buf.momentum_views[j] for j in js], [grads[j] for j in js], beta2,
+                                     sign * (1.0 - beta2))
+        else:
+            kernels.momentum_update_([buf.momentum[lo:hi] for lo, hi in spans], [buf.grad[lo:hi] for lo, hi in spans],
+                                     beta2, 1.0 - beta2)
         return
     narrow = buf.momentum.dtype != buf.work.dtype
     scaled = scratch.get(buf.work)
@@ -325,7 +341,7 @@ def apply_scaled_delta(params: list[Tensor], scaled: list[Tensor], lr: float, we
 
 
 def apply_codes(b: Bucket, codes: Tensor, active: list[bool], work: Tensor, work_views: list[Tensor], lr: float,
-                weight_decay: float, divisor: int = 1) -> None:
+                weight_decay: float, divisor: int = 1, fused: bool = False) -> None:
     """x ← x·(1 − η·λ) − η·Δ for the parameters of ``b`` marked ``active``, Δ = codes / ``divisor``.
 
     MaVo codes are −1, 0 or +1, so η·Δ is exact in any float dtype and x − η·Δ is rounded once
@@ -333,12 +349,18 @@ def apply_codes(b: Bucket, codes: Tensor, active: list[bool], work: Tensor, work
     the integer codes (``_foreach_add_`` with alpha = −η), one pass over the bucket fewer than
     through ``work``. Averages (``divisor`` > 1) and bf16/fp16 parameters go through ``work``
     (:func:`scale_codes`, :func:`apply_scaled_delta`): the same roundings either way. Buckets of
-    many tiny parameters keep the ``work`` path too (per-step views would cost more than the pass)."""
+    many tiny parameters keep the ``work`` path too (per-step views would cost more than the pass).
+    ``fused=True`` (CPU, fp32/fp64, contiguous parameters): both roundings in one native loop over the
+    bucket (:func:`dlion.kernels.apply_codes_`)."""
     codes = codes[:b.numel]
     every = all(active)
     if divisor == 1 and not b.low_precision and not codes.is_floating_point() and b.numel >= 256 * len(b.params):
         ps = b.params if every else [p for p, a in zip(b.params, active) if a]
         us = [codes[o:o + n].view(p.shape) for p, o, n, a in zip(b.params, b.offsets, b.sizes, active) if a]
+        if (fused and ps and codes.dtype == torch.int8 and kernels.supported(*ps)
+                and all(p.is_contiguous() for p in ps)):
+            kernels.apply_codes_([p.detach() for p in ps], us, lr, weight_decay)
+            return
         if weight_decay != 0.0:
             torch._foreach_mul_(ps, 1.0 - lr * weight_decay)
         torch._foreach_add_(ps, us, alpha=-lr)
@@ -352,10 +374,24 @@ def apply_codes(b: Bucket, codes: Tensor, active: list[bool], work: Tensor, work
     apply_scaled_delta(ps, us, lr, weight_decay)
 
 
+def apply_signs(b: Bucket, signs: Tensor, active: list[bool], lr: float, weight_decay: float) -> bool:
+    """:func:`apply_codes` (``fused=True``) of 1-bit codes straight from their packed bits (1 = +1),
+    without decoding them: x ← x·(1 − η·λ) − η·Δ for the ``active`` parameters, the same values.
+    False (nothing done) where the native path does not apply (low precision, strided or non-CPU
+    parameters, a library that cannot be built): the caller then decodes and applies the codes."""
+    ps = [p for p, a in zip(b.params, active) if a]
+    if (not ps or b.low_precision or not kernels.supported(*ps) or not all(p.is_contiguous() for p in ps)
+            or not kernels.available()):
+        return False
+    kernels.apply_signs_([p.detach() for p in ps], [o for o, a in zip(b.offsets, active) if a], signs, lr,
+                         weight_decay)
+    return True
+
+
 def _all_finite(c: Tensor) -> bool:
     """One min/max reduction (NaN propagates, ±inf shows at an end): much cheaper than isfinite().all()."""
     return bool(torch.isfinite(torch.stack(torch.aminmax(c.reshape(-1)))).all()) if c.numel() else True
 
 
 __all__ += ["RankBuffers", "Scratch", "contribute", "fused_applies", "update_momentum", "scale_codes",
-            "apply_scaled_delta", "apply_codes", "Contribution"]
+            "apply_scaled_delta", "apply_codes", "apply_signs", "Contribution"]

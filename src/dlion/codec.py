@@ -1,8 +1,8 @@
 """Bit codecs: pack small integers densely into uint8 buffers for the wire.
 
 Three codecs, all lossless on their value sets and all usable on CPU and CUDA
-tensors (CPU goes through numpy's packbits, which is several times faster
-than a torch multiply-and-sum there):
+tensors (on CPU the 1-bit codec's loops are :mod:`dlion.kernels`' native ones, else numpy's
+packbits, several times faster than a torch multiply-and-sum there):
 
 * :class:`SignCodec`   values in {−1, +1}          1 bit per value, 8 per byte
 * :class:`TritCodec`   values in {−1, 0, +1}       1.6 bits per value, 5 per byte (3^5 = 243 ≤ 256)
@@ -22,6 +22,8 @@ import math
 import numpy as np
 import torch
 from torch import Tensor
+
+from . import kernels
 
 __all__ = [
     "pack_bits",
@@ -79,6 +81,8 @@ class SignCodec:
         return n // 8
 
     def encode(self, values: Tensor) -> Tensor:
+        if values.device.type == "cpu" and values.dtype == torch.int8:  # one native pass (numpy without it)
+            return kernels.pack_positive(values)
         if values.device.type == "cpu":  # numpy's comparison of small ints is several times faster than torch's
             return pack_bits(torch.from_numpy(values.contiguous().numpy() > 0))
         return pack_bits(values > 0)
@@ -90,6 +94,8 @@ class SignCodec:
     _luts: dict = {}
 
     def decode(self, packed: Tensor, n: int) -> Tensor:
+        if packed.device.type == "cpu" and kernels.available():  # 8 bytes copied per packed byte
+            return kernels.unpack_signs(packed, n)
         # A table of 256 int64 words, each the 8 ±1 bytes of one packed byte: one 8-byte gather per
         # byte (int32 indices) beats both unpack-then-convert and a gather of 8 one-byte columns.
         lut = self._luts.get(packed.device)

@@ -55,8 +55,8 @@ from torch.profiler import record_function
 from .aggregation import VoteRule, coin_key
 from .algorithms import (ALGORITHMS, BAD, NONFINITE, Contribution, Outcome, WireState, choose_algorithm,
                          make_algorithm, run_compacted)
-from .buckets import (Bucket, LeftOut, RankBuffers, Scratch, apply_codes, contribute, layout_buckets, rebind_groups,
-                      update_momentum)
+from .buckets import (Bucket, LeftOut, RankBuffers, Scratch, apply_codes, apply_signs, contribute, layout_buckets,
+                      rebind_groups, update_momentum)
 from .collectives import CommStats, GroupTransport
 from .pipeline import Flight, Pipeline
 from .lion import Lion, param_tensors, check_grad
@@ -156,9 +156,10 @@ class DistributedLion(Lion):
             parameters, else the parameter's). ``torch.bfloat16`` halves the optimizer
             state; the math still runs in fp32 and the new momentum is rounded once.
         fused: CPU parameters only: the local Lion math of each bucket (c, its sign,
-            the finiteness check; the momentum update) as compiled loops
-            (:mod:`dlion.kernels`), the same roundings, two to three times fewer passes
-            over memory. The first step compiles (seconds; needs a C++ compiler).
+            the finiteness check; the update from the codes; the momentum update) as
+            native loops over all its tensors at once (:mod:`dlion.kernels`), the same
+            roundings, two to three times fewer passes over memory. The first use builds
+            the library (under a second, once per machine; needs a C compiler).
         delay: ``0`` (default) or ``1``: apply each step's Δ one step later, so that its
             communication runs during the next step's forward and backward instead of
             being waited for (one step of staleness, as in delayed gradient averaging).
@@ -662,8 +663,11 @@ class DistributedLion(Lion):
         active = o.has_grad.tolist()
         if any(active):
             buf = self._buffers[k]
-            apply_codes(b, o.codes, active, buf.work, buf.work_views, group["lr"], group["weight_decay"],
-                        self.world_size if self.rule.vote == "avg" else 1)
+            fused = group.get("fused", False)
+            if not (fused and o.signs is not None and apply_signs(b, o.signs, active, group["lr"],
+                                                                   group["weight_decay"])):
+                apply_codes(b, o.codes, active, buf.work, buf.work_views, group["lr"], group["weight_decay"],
+                            self.world_size if self.rule.vote == "avg" else 1, fused=fused)
             self._steps[k].add_(o.has_grad.to(self._steps[k].dtype))
         last = self._buffers[k].last_vote
         if last is not None:  # ties="previous": this step's codes are the next step's tie-breakers

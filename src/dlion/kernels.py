@@ -1,34 +1,57 @@
-"""Fused CPU kernels for the elementwise passes of a Lion step (``fused=True``).
+"""Native CPU kernels: the elementwise passes of a Lion step (``fused=True``) and the bit
+codec's inner loops, each one loop over memory for many tensors per call.
 
 The literal rule rounds every product on its own (no fused multiply-add), which in
-eager PyTorch costs one pass over memory per operation: c = β1·m + (1 − β1)·g
-followed by its sign and a finiteness check is five to six passes, the momentum
-update three. Here each is one loop, generated and compiled by ``torch.compile``
-(TorchInductor's C++ backend), which compiles with ``-ffp-contract=off``: every
-product and sum is still rounded once, in the same order, so the values are those
-of the eager ops (the tests compare them value for value on inputs with infinities,
-NaN, subnormals and zeros of both signs, whose signs they check too).
+eager PyTorch costs one pass over memory per operation, and one kernel launch per
+tensor: c = β1·m + (1 − β1)·g followed by its sign and a finiteness check is five to
+six passes, the momentum update three. ``kernels.c`` does each in one loop, and takes
+arrays of tensor pointers, so a bucket or parameter group of many tensors is one call.
+It is compiled with ``-ffp-contract=off`` and without ``-ffast-math``: every product and
+sum is still rounded once, in the same order, so the values are those of the eager ops
+(the tests compare them value for value on inputs with infinities, NaN, subnormals and
+zeros of both signs, whose signs they check too).
 
-Hyperparameters enter as 0-d tensors of the work dtype, built from the Python floats
-exactly as eager PyTorch rounds a scalar operand (to the tensor's dtype, to nearest):
-a learning-rate schedule then changes inputs, not code, and never recompiles.
+Hyperparameters are passed in the work dtype, rounded from the Python floats to nearest,
+exactly as eager PyTorch rounds a scalar operand: a learning-rate schedule changes inputs,
+not code.
 
-CPU only. On CUDA the same passes are a small part of a step, and Triton contracts
-``a·b + c`` into a fused multiply-add, which would change the roundings. The first
-call compiles (a few seconds; a C++ compiler is needed); later processes reuse
-Inductor's on-disk cache.
+The library is compiled by the system C compiler (``$CC``, else ``cc``) on first use,
+in well under a second, into a per-user cache (``$DLION_CACHE_DIR``, else
+``~/.cache/dlion``) keyed by the source, the compiler and the CPU, and loaded with
+:mod:`ctypes`. ``fused=True`` needs it and says so when it cannot be built. The codec
+helpers (:func:`pack_positive`, :func:`unpack_signs`, :func:`count_zeros`) use it when it
+is there and numpy otherwise (the same bits); ``DLION_NATIVE=0`` turns it off for them.
+
+CPU only. On CUDA the same passes are a small part of a step.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional, Sequence, Union
 
+import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["supported", "sign_contribution", "momentum_update_", "lion_update_", "NONFINITE"]
+__all__ = ["supported", "available", "sign_contribution", "momentum_update_", "lion_update_", "apply_codes_",
+           "apply_signs_", "pack_positive", "pack_positive_counting", "unpack_signs", "count_zeros", "NONFINITE"]
 
-_DTYPES = (torch.float32, torch.float64)
+_DTYPES = {torch.float32: ("f32", ctypes.c_float), torch.float64: ("f64", ctypes.c_double)}
+_SOURCE = Path(__file__).with_name("kernels.c")
+
+#: What :func:`sign_contribution` writes where c is inf or NaN (never a sign).
+NONFINITE = 2
+
+Tensors = Union[Tensor, Sequence[Tensor]]
 
 
 def supported(*tensors: Tensor) -> bool:
@@ -38,90 +61,260 @@ def supported(*tensors: Tensor) -> bool:
         t.device == t0.device and t.dtype == t0.dtype for t in tensors)
 
 
-def _scalar(x: float, like: Tensor) -> Tensor:
-    return torch.tensor(x, dtype=like.dtype, device=like.device)
+# -- building and loading ----------------------------------------------------------------------
+def _cache_dir() -> Path:
+    base = os.environ.get("DLION_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "dlion")
+    path = Path(base)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    except OSError:  # (a read-only home): a private temporary directory instead
+        path = Path(tempfile.gettempdir()) / f"dlion-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
 
 
-#: What :func:`sign_contribution` writes where c is inf or NaN (never a sign): one loop over m and g
-#: then does it all, where returning min/max of c as well made Inductor read them in a second loop.
-NONFINITE = 2
+def _cpu_identity() -> str:
+    """What -march=native depends on: a library built on one CPU must not be loaded on another
+    (a shared home directory on a mixed cluster)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
 
 
-def _sign_contribution(m: Tensor, g: Tensor, b1: Tensor, omb1: Tensor, out: Tensor) -> None:
-    c = m * b1 + g * omb1
-    out.copy_(torch.where(torch.isfinite(c), torch.sign(c), NONFINITE))
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        raise OSError("no C compiler found (set $CC, or install gcc or clang)")
+    return cc
 
 
-def _momentum_update(m: Tensor, g: Tensor, b2: Tensor, omb2: Tensor) -> None:
-    m.copy_(m * b2 + g * omb2)
+_BASE_FLAGS = ["-O3", "-ffp-contract=off", "-fno-trapping-math", "-shared", "-fPIC"]
+_OPTIONAL_FLAGS = [["-march=native", "-fopenmp"], ["-march=native"], []]
 
 
-def _lion_update(p: Tensor, m: Tensor, g: Tensor, decay: Tensor, lr: Tensor, b1: Tensor, omb1: Tensor,
-                 b2: Tensor, omb2: Tensor) -> None:
-    c = m * b1 + g * omb1
-    p.copy_(p * decay - torch.sign(c) * lr)
-    m.copy_(m * b2 + g * omb2)
+def _build() -> ctypes.CDLL:
+    cc = _compiler()
+    source = _SOURCE.read_bytes()
+    errors = []
+    for extra in _OPTIONAL_FLAGS:
+        flags = _BASE_FLAGS + extra
+        key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(flags).encode(), platform.machine().encode(),
+                                         _cpu_identity().encode()])).hexdigest()[:20]
+        target = _cache_dir() / f"kernels-{key}.so"
+        if not target.exists():
+            tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+            proc = subprocess.run([cc, *flags, str(_SOURCE), "-o", str(tmp)], capture_output=True, text=True)
+            if proc.returncode != 0:
+                errors.append(f"{' '.join(flags)}: {proc.stderr.strip()[-400:]}")
+                tmp.unlink(missing_ok=True)
+                continue
+            os.replace(tmp, target)  # atomic: ranks that build at once each load a whole file
+        try:
+            lib = ctypes.CDLL(str(target))
+        except OSError as e:  # (e.g. built with OpenMP whose runtime is not there)
+            errors.append(f"{' '.join(flags)}: {e}")
+            continue
+        lib.dl_init()
+        _declare(lib)
+        return lib
+    raise OSError(f"compiling {_SOURCE.name} with {cc} failed:\n" + "\n".join(errors))
 
 
-def _exact_options() -> dict:
-    """Inductor's defaults already keep every rounding; pin them against environment overrides
-    (``TORCHINDUCTOR_CPP_ENABLE_FLOATING_POINT_CONTRACT_FLAG`` and the like)."""
-    from torch._inductor import config
-
-    wanted = {"enable_floating_point_contract_flag": "off", "enable_unsafe_math_opt_flag": False}
-    return {f"cpp.{k}": v for k, v in wanted.items() if hasattr(config.cpp, k)}
+def _declare(lib: ctypes.CDLL) -> None:
+    P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    for suffix, T in _DTYPES.values():
+        getattr(lib, f"dl_lion_{suffix}").argtypes = [INT, P, P, P, P, T, T, T, T, T, T, INT]
+        getattr(lib, f"dl_sign_{suffix}").argtypes = [INT, P, P, P, P, T, T, INT]
+        getattr(lib, f"dl_sign_{suffix}").restype = INT
+        getattr(lib, f"dl_momentum_{suffix}").argtypes = [INT, P, P, P, T, T, INT]
+        getattr(lib, f"dl_apply_codes_{suffix}").argtypes = [INT, P, P, P, T, T, INT]
+        getattr(lib, f"dl_apply_signs_{suffix}").argtypes = [INT, P, P, P, P, T, T, INT]
+    lib.dl_pack_positive.argtypes = [P, I64, P]
+    lib.dl_pack_positive_count_zeros.argtypes = [P, I64, P, I64]
+    lib.dl_pack_positive_count_zeros.restype = I64
+    lib.dl_count_zeros.argtypes = [P, I64]
+    lib.dl_count_zeros.restype = I64
+    lib.dl_unpack_signs.argtypes = [P, I64, P]
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(name: str):
-    fn = {"sign": _sign_contribution, "momentum": _momentum_update, "lion": _lion_update}[name]
-    # (not fullgraph: past dynamo's recompile limit a call then runs these same ops eagerly, the same values)
-    compiled = torch.compile(fn, dynamic=True, options=_exact_options())
-    first = [True]
-
-    def call(*args):
-        if not first[0]:
-            return compiled(*args)
-        try:  # the first call compiles: say what failed, and what to do, in terms of the option
-            out = compiled(*args)
-        except Exception as e:
-            raise RuntimeError(
-                f"fused=True: compiling the fused kernel '{name}' with torch.compile failed ({type(e).__name__}). "
-                "It needs a working C++ compiler (e.g. g++) and TorchInductor; install one, or use fused=False "
-                "(the same results, more passes over memory).") from e
-        first[0] = False
-        return out
-
-    return call
+def _load() -> tuple[Optional[ctypes.CDLL], Optional[BaseException]]:
+    try:
+        return _build(), None
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, e
 
 
-def sign_contribution(m: Tensor, g: Tensor, beta1: float, scale: float, out: Tensor) -> bool:
-    """``out`` ← sign(β1·m + scale·g) (int8; sign(0) = 0) in one pass over m and g; True when
-    every c is finite (checked on ``out``, a byte per value). Where some c is not finite ``out``
-    holds no meaningful signs (the step is rejected on every rank), but only values in {−1, 0, 1}.
-    ``scale`` is 1 − β1 (or −(1 − β1) for ``maximize``); m and g are flat and untouched."""
-    if not m.numel():
+def _lib() -> ctypes.CDLL:
+    """The library, for ``fused=True``: a clear error when it cannot be built."""
+    lib, error = _load()
+    if lib is None:
+        raise RuntimeError(
+            f"fused=True: building dlion's native kernels failed ({type(error).__name__}: {error}). They need a "
+            "C compiler (e.g. gcc); install one, or use fused=False (the same results, more passes over "
+            "memory).") from error
+    return lib
+
+
+def available() -> bool:
+    """Whether the native library is there for the codec helpers (``DLION_NATIVE=0``: never)."""
+    return os.environ.get("DLION_NATIVE", "1") != "0" and _load()[0] is not None
+
+
+# -- calls --------------------------------------------------------------------------------------
+def _segments(xs: Tensors) -> list[Tensor]:
+    return [xs] if isinstance(xs, Tensor) else list(xs)
+
+
+def _pointers(xs: list[Tensor]):
+    for x in xs:
+        if not x.is_contiguous():
+            raise ValueError("dlion.kernels: every tensor must be contiguous")
+    return (ctypes.c_void_p * len(xs))(*[x.data_ptr() for x in xs])
+
+
+def _lengths(xs: list[Tensor]):
+    return (ctypes.c_int64 * len(xs))(*[x.numel() for x in xs])
+
+
+def _same_sizes(*groups: list[Tensor]) -> None:
+    first = groups[0]
+    for g in groups[1:]:
+        if len(g) != len(first) or any(a.numel() != b.numel() for a, b in zip(first, g)):
+            raise ValueError("dlion.kernels: segment lists of different lengths or sizes")
+
+
+def _kind(x: Tensor):
+    try:
+        return _DTYPES[x.dtype]
+    except KeyError:
+        raise ValueError(f"dlion.kernels: fp32 or fp64 only, got {x.dtype}") from None
+
+
+def sign_contribution(m: Tensors, g: Tensors, beta1: float, scale: float, out: Tensors) -> bool:
+    """``out`` ← sign(β1·m + scale·g) (int8; sign(0) = 0), segment by segment, in one pass over
+    m and g; True when every c is finite. Where some c is not finite ``out`` holds no meaningful
+    signs (the step is rejected on every rank), but only values in {−1, 0, 1}. ``scale`` is
+    1 − β1 (or −(1 − β1) for ``maximize``); m and g are untouched."""
+    ms, gs, outs = _segments(m), _segments(g), _segments(out)
+    _same_sizes(ms, gs, outs)
+    if not ms or not sum(x.numel() for x in ms):
         return True
-    _compiled("sign")(m, g, _scalar(beta1, m), _scalar(scale, m), out)
-    if int(out.max()) < NONFINITE:
+    suffix, T = _kind(ms[0])
+    ok = getattr(_lib(), f"dl_sign_{suffix}")(len(ms), _pointers(ms), _pointers(gs), _pointers(outs), _lengths(ms),
+                                             T(beta1), T(scale), torch.get_num_threads())
+    if ok:
         return True
-    out.clamp_(-1, 1)  # (the codecs expect signs)
+    for o in outs:
+        o.clamp_(-1, 1)  # (the codecs expect signs)
     return False
 
 
-def momentum_update_(m: Tensor, g: Tensor, beta2: float, scale: float) -> None:
-    """m ← β2·m + scale·g in place, in one pass (``scale`` = ±(1 − β2))."""
-    if m.numel():
-        _compiled("momentum")(m, g, _scalar(beta2, m), _scalar(scale, m))
+def momentum_update_(m: Tensors, g: Tensors, beta2: float, scale: float) -> None:
+    """m ← β2·m + scale·g in place, segment by segment, in one pass (``scale`` = ±(1 − β2))."""
+    ms, gs = _segments(m), _segments(g)
+    _same_sizes(ms, gs)
+    if ms:
+        suffix, T = _kind(ms[0])
+        getattr(_lib(), f"dl_momentum_{suffix}")(len(ms), _pointers(ms), _pointers(gs), _lengths(ms), T(beta2),
+                                                 T(scale), torch.get_num_threads())
 
 
-def lion_update_(p: Tensor, m: Tensor, g: Tensor, lr: float, weight_decay: float, beta1: float, beta2: float,
+def lion_update_(p: Tensors, m: Tensors, g: Tensors, lr: float, weight_decay: float, beta1: float, beta2: float,
                  scale: float = 1.0) -> None:
-    """The whole Lion rule of :mod:`dlion.lion` for one tensor, in one pass:
+    """The whole Lion rule of :mod:`dlion.lion` for each tensor, in one pass:
     p ← p·(1 − η·λ) − η·sign(β1·m + (1 − β1)·g'); m ← β2·m + (1 − β2)·g', with g' = scale·g
     (``scale`` = −1 for ``maximize``; negation is exact). η·sign(c) is exact, so p's update is
     rounded twice, as in the literal rule; with λ = 0 the factor 1 is exact too."""
-    if p.numel():
-        s = lambda x: _scalar(x, p)  # noqa: E731
-        _compiled("lion")(p, m, g, s(1.0 - lr * weight_decay), s(lr), s(beta1), s(scale * (1.0 - beta1)),
-                          s(beta2), s(scale * (1.0 - beta2)))
+    ps, ms, gs = _segments(p), _segments(m), _segments(g)
+    _same_sizes(ps, ms, gs)
+    if ps:
+        suffix, T = _kind(ps[0])
+        getattr(_lib(), f"dl_lion_{suffix}")(
+            len(ps), _pointers(ps), _pointers(ms), _pointers(gs), _lengths(ps), T(1.0 - lr * weight_decay), T(lr),
+            T(beta1), T(scale * (1.0 - beta1)), T(beta2), T(scale * (1.0 - beta2)), torch.get_num_threads())
+
+
+def apply_codes_(p: Tensors, codes: Tensors, lr: float, weight_decay: float) -> None:
+    """p ← p·(1 − η·λ) − η·code per segment, codes int8 in {−1, 0, 1} (η·code is exact, so
+    this is x·(1 − η·λ) rounded, then x − η·Δ rounded: the two roundings of the eager update)."""
+    ps, cs = _segments(p), _segments(codes)
+    _same_sizes(ps, cs)
+    if ps:
+        suffix, T = _kind(ps[0])
+        getattr(_lib(), f"dl_apply_codes_{suffix}")(len(ps), _pointers(ps), _pointers(cs), _lengths(ps),
+                                                    T(1.0 - lr * weight_decay), T(lr), torch.get_num_threads())
+
+
+def apply_signs_(p: Tensors, starts: Sequence[int], bits: Tensor, lr: float, weight_decay: float) -> None:
+    """p ← p·(1 − η·λ) − η·s per segment, s = +1 where bit (start + i) of the packed ``bits``
+    (uint8, little-endian bit order) is set, else −1: :func:`apply_codes_` of 1-bit codes without
+    decoding them first (the same values)."""
+    ps = _segments(p)
+    if len(starts) != len(ps):
+        raise ValueError("dlion.kernels: one start per segment")
+    b = bits.contiguous()
+    if b.dtype != torch.uint8 or b.device.type != "cpu":
+        raise ValueError("dlion.kernels: bits must be a CPU uint8 tensor")
+    if any(st < 0 or st + x.numel() > 8 * b.numel() for st, x in zip(starts, ps)):
+        raise ValueError("dlion.kernels: a segment reaches past the packed bits")
+    if ps:
+        suffix, T = _kind(ps[0])
+        getattr(_lib(), f"dl_apply_signs_{suffix}")(len(ps), _pointers(ps), (ctypes.c_int64 * len(ps))(*starts),
+                                                    _lengths(ps), b.data_ptr(), T(1.0 - lr * weight_decay), T(lr),
+                                                    torch.get_num_threads())
+
+
+# -- the bit codec's loops (numpy where the library is not there) ---------------------------------
+def pack_positive(values: Tensor) -> Tensor:
+    """Packed bits (little-endian bit order) of ``values > 0`` for int8 ``values`` (CPU, length a
+    multiple of 8)."""
+    v = values.contiguous()
+    if v.numel() % 8:
+        raise ValueError(f"pack_positive needs a length that is a multiple of 8, got {v.numel()}")
+    if available():
+        out = torch.empty(v.numel() // 8, dtype=torch.uint8)
+        _load()[0].dl_pack_positive(v.data_ptr(), v.numel(), out.data_ptr())
+        return out
+    return torch.from_numpy(np.packbits(v.numpy() > 0, bitorder="little"))
+
+
+def pack_positive_counting(values: Tensor, count: int) -> tuple[Tensor, int]:
+    """(:func:`pack_positive` of ``values``, how many of values[:count] are 0) in one pass."""
+    v = values.contiguous()
+    if v.numel() % 8:
+        raise ValueError(f"pack_positive needs a length that is a multiple of 8, got {v.numel()}")
+    if available():
+        out = torch.empty(v.numel() // 8, dtype=torch.uint8)
+        zeros = _load()[0].dl_pack_positive_count_zeros(v.data_ptr(), v.numel(), out.data_ptr(),
+                                                        max(0, min(count, v.numel())))
+        return out, int(zeros)
+    return pack_positive(v), count_zeros(v[:max(0, count)])
+
+
+def unpack_signs(packed: Tensor, n: int) -> Tensor:
+    """±1 (int8) for the first ``n`` bits of ``packed`` (1 = +1), CPU."""
+    p = packed.contiguous()
+    if n > 8 * p.numel():
+        raise ValueError(f"unpack_signs: {n} bits asked of {p.numel()} bytes")
+    if available():
+        out = torch.empty(n, dtype=torch.int8)
+        _load()[0].dl_unpack_signs(p.data_ptr(), n, out.data_ptr())
+        return out
+    bits = np.unpackbits(p.numpy(), count=n, bitorder="little").view(np.int8)
+    return torch.from_numpy(bits * np.int8(2) - np.int8(1))
+
+
+def count_zeros(values: Tensor) -> int:
+    """How many of the int8 ``values`` (CPU) are 0."""
+    v = values.contiguous()
+    if available():
+        return int(_load()[0].dl_count_zeros(v.data_ptr(), v.numel()))
+    return v.numel() - int(np.count_nonzero(v.numpy()))

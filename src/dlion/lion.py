@@ -19,8 +19,9 @@ would be for any optimizer writing bf16 weights; keep fp32 master weights
 (e.g. train in fp32 under ``torch.autocast``) when that matters.
 
 Fused (``fused=True``, CPU): fp32/fp64 parameters whose momentum has their dtype
-take the whole rule in one compiled loop per tensor (:mod:`dlion.kernels`), the
-same roundings in the same order, instead of about ten passes over memory; other
+take the whole rule in one native loop (:mod:`dlion.kernels`), one call for all
+the group's tensors of a dtype, the same roundings in the same order, instead of
+about ten passes over memory and a launch per tensor; other
 parameters (bf16/fp16, a narrower ``momentum_dtype``) keep the multi-tensor path.
 
 Momentum storage: ``momentum_dtype=torch.bfloat16`` stores the momentum (Lion's
@@ -141,7 +142,7 @@ class Lion(torch.optim.Optimizer):
     """Lion, exactly the four-line rule above. ``foreach=None`` picks the
     multi-tensor path when all parameters are on CUDA or CPU (both paths give
     identical results). ``fused=True`` (CPU parameters only) runs the rule as one
-    compiled loop per tensor, with the same results (module docstring).
+    native loop over all the tensors, with the same results (module docstring).
     ``momentum_dtype`` narrows the momentum's storage (see the module docstring)."""
 
     def __init__(
@@ -252,14 +253,17 @@ class Lion(torch.optim.Optimizer):
         check_fusable(ps)
         beta1, beta2 = group["betas"]
         rest: tuple[list, list, list] = ([], [], [])
+        fusable: dict = {}  # dtype -> (ps, ms, gs): one native call per dtype, whatever the number of tensors
         for p, g, m in zip(ps, gs, ms):
             if kernels.supported(p, g, m) and p.is_contiguous() and g.is_contiguous() and m.is_contiguous():
-                kernels.lion_update_(p.view(-1), m.view(-1), g.view(-1), group["lr"], group["weight_decay"],
-                                     beta1, beta2)
+                for lst, x in zip(fusable.setdefault(p.dtype, ([], [], [])), (p, m, g)):
+                    lst.append(x)
                 self.state[p]["step"] += 1
             else:
                 for lst, x in zip(rest, (p, g, m)):
                     lst.append(x)
+        for fp, fm, fg in fusable.values():
+            kernels.lion_update_(fp, fm, fg, group["lr"], group["weight_decay"], beta1, beta2)
         return rest
 
 

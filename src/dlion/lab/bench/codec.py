@@ -7,7 +7,8 @@ On one bucket of ``--params`` coordinates, with ``--workers`` simulated ranks (m
 * ``contribute``  gradient into the flat bucket, c, the non-finite check, sign(c) as int8
 * ``exchange``    the aggregation algorithm's own work (``--comm``): encode the header and
                   signs, count and vote on the received chunk, encode and decode the codes —
-                  everything but the transport (measured inside the algorithm's generator)
+                  everything but the transport (measured inside the algorithm's generator).
+                  With ``--fused``, 1-bit MaVo codes are not decoded here: ``apply`` reads them packed
 * ``apply``       Δ from the codes, x·(1 − ηλ) − ηΔ, the momentum update
 
 and prints ns per parameter and the ratios exchange / lion step (the codec's cost) and
@@ -25,7 +26,8 @@ import torch
 
 from dlion.aggregation import VoteRule
 from dlion.algorithms import Contribution, WireState, make_algorithm, padded_length
-from dlion.buckets import RankBuffers, Scratch, apply_codes, contribute, layout_buckets, update_momentum
+from dlion.buckets import (RankBuffers, Scratch, apply_codes, apply_signs, contribute, layout_buckets,
+                           update_momentum)
 from dlion.collectives import simulate_collective
 from dlion.lion import Lion
 
@@ -116,8 +118,9 @@ def run(n: int, world: int, vote: str, comm: str, repeat: int, device: str, fuse
 
     @torch.no_grad()
     def apply():
-        apply_codes(b, outcome.codes, [True], bufs[0].work, bufs[0].work_views, 1e-4, 0.1,
-                    world if vote == "avg" else 1)
+        if not (fused and outcome.signs is not None and apply_signs(b, outcome.signs, [True], 1e-4, 0.1)):
+            apply_codes(b, outcome.codes, [True], bufs[0].work, bufs[0].work_views, 1e-4, 0.1,
+                        world if vote == "avg" else 1, fused=fused)
         update_momentum(b, bufs[0], [True], 0.99, scratch, fused=fused)
 
     t = {

@@ -1,0 +1,197 @@
+/* dlion's CPU kernels: the elementwise passes of a Lion / D-Lion step and the bit codec's
+ * inner loops, each one loop over memory, many tensors per call.
+ *
+ * Exactness: compiled with -ffp-contract=off and without -ffast-math, so every product and
+ * sum is rounded once, in the order written, as eager PyTorch rounds the same operations
+ * (tests/test_kernels.py compares value for value, NaN, infinities, subnormals and signed
+ * zeros included). -fno-trapping-math only lets comparisons be vectorised; it changes no value.
+ *
+ * Every "segment" argument is an array of per-tensor pointers with a length each: one call
+ * serves a whole bucket or parameter group, so the cost follows values, not tensors.
+ */
+#include <stddef.h>
+#include <stdint.h>
+
+#define CHUNK ((int64_t)1 << 16)
+
+#if defined(_OPENMP)
+#define PARALLEL_CHUNKS _Pragma("omp parallel for if(nch > 1 && nt > 1) num_threads(nt) schedule(static)")
+#define PARALLEL_CHUNKS_OR(var) _Pragma("omp parallel for if(nch > 1 && nt > 1) num_threads(nt) schedule(static) reduction(|:bad)")
+#else
+#define PARALLEL_CHUNKS
+#define PARALLEL_CHUNKS_OR(var)
+#endif
+
+/* Split [0, n) into CHUNK-sized pieces, spread over nt threads where there are several. */
+#define FOR_CHUNKS(n, BODY)                                        \
+  do {                                                             \
+    int64_t nch = ((n) + CHUNK - 1) / CHUNK;                       \
+    PARALLEL_CHUNKS                                                \
+    for (int64_t k = 0; k < nch; k++) {                            \
+      int64_t lo = k * CHUNK, hi = lo + CHUNK < (n) ? lo + CHUNK : (n); \
+      BODY                                                         \
+    }                                                              \
+  } while (0)
+
+#define DEFINE(T, S, MAXV)                                                                          \
+  /* p <- p*decay - lr*sign(b1*m + s1*g);  m <- b2*m + s2*g   (the Lion rule, per tensor) */         \
+  static void lion_range_##S(T *restrict p, T *restrict m, const T *restrict g, int64_t n, T decay, \
+                             T lr, T b1, T s1, T b2, T s2) {                                        \
+    for (int64_t i = 0; i < n; i++) {                                                               \
+      T c = m[i] * b1 + g[i] * s1;                                                                  \
+      T sg = (T)((c > 0) - (c < 0));                                                                \
+      p[i] = p[i] * decay - lr * sg;                                                                \
+      m[i] = m[i] * b2 + g[i] * s2;                                                                 \
+    }                                                                                               \
+  }                                                                                                 \
+  void dl_lion_##S(int ns, T **p, T **m, T **g, const int64_t *len, T decay, T lr, T b1, T s1,      \
+                   T b2, T s2, int nt) {                                                            \
+    for (int s = 0; s < ns; s++) {                                                                  \
+      T *pp = p[s], *mm = m[s]; const T *gg = g[s];                                                 \
+      FOR_CHUNKS(len[s], lion_range_##S(pp + lo, mm + lo, gg + lo, hi - lo, decay, lr, b1, s1, b2, s2);); \
+    }                                                                                               \
+  }                                                                                                 \
+  /* out <- sign(b1*m + s1*g) as int8, or 2 where that is not finite; 1 if all were finite */       \
+  static int sign_range_##S(const T *restrict m, const T *restrict g, int8_t *restrict o, int64_t n, \
+                            T b1, T s1) {                                                           \
+    int bad = 0;                                                                                    \
+    for (int64_t i = 0; i < n; i++) {                                                               \
+      T c = m[i] * b1 + g[i] * s1;                                                                  \
+      int v = (c > 0) - (c < 0);                                                                    \
+      int nf = !(c <= MAXV && c >= -MAXV);                                                          \
+      bad |= nf;                                                                                    \
+      o[i] = (int8_t)(nf ? 2 : v);                                                                  \
+    }                                                                                               \
+    return bad;                                                                                     \
+  }                                                                                                 \
+  int dl_sign_##S(int ns, T **m, T **g, int8_t **out, const int64_t *len, T b1, T s1, int nt) {     \
+    int bad = 0;                                                                                    \
+    for (int s = 0; s < ns; s++) {                                                                  \
+      const T *mm = m[s], *gg = g[s]; int8_t *oo = out[s]; int64_t n = len[s];                      \
+      int64_t nch = (n + CHUNK - 1) / CHUNK;                                                        \
+      PARALLEL_CHUNKS_OR(bad)                                                                       \
+      for (int64_t k = 0; k < nch; k++) {                                                           \
+        int64_t lo = k * CHUNK, hi = lo + CHUNK < n ? lo + CHUNK : n;                               \
+        bad |= sign_range_##S(mm + lo, gg + lo, oo + lo, hi - lo, b1, s1);                          \
+      }                                                                                             \
+    }                                                                                               \
+    return !bad;                                                                                    \
+  }                                                                                                 \
+  /* m <- b2*m + s2*g */                                                                            \
+  static void momentum_range_##S(T *restrict m, const T *restrict g, int64_t n, T b2, T s2) {       \
+    for (int64_t i = 0; i < n; i++) m[i] = m[i] * b2 + g[i] * s2;                                   \
+  }                                                                                                 \
+  void dl_momentum_##S(int ns, T **m, T **g, const int64_t *len, T b2, T s2, int nt) {              \
+    for (int s = 0; s < ns; s++) {                                                                  \
+      T *mm = m[s]; const T *gg = g[s];                                                             \
+      FOR_CHUNKS(len[s], momentum_range_##S(mm + lo, gg + lo, hi - lo, b2, s2););                   \
+    }                                                                                               \
+  }                                                                                                 \
+  /* p <- p*decay - lr*code, code int8 in {-1, 0, 1} (lr*code is exact) */                          \
+  static void codes_range_##S(T *restrict p, const int8_t *restrict c, int64_t n, T decay, T lr) {  \
+    for (int64_t i = 0; i < n; i++) p[i] = p[i] * decay - lr * (T)c[i];                             \
+  }                                                                                                 \
+  void dl_apply_codes_##S(int ns, T **p, int8_t **codes, const int64_t *len, T decay, T lr, int nt) { \
+    for (int s = 0; s < ns; s++) {                                                                  \
+      T *pp = p[s]; const int8_t *cc = codes[s];                                                    \
+      FOR_CHUNKS(len[s], codes_range_##S(pp + lo, cc + lo, hi - lo, decay, lr););                   \
+    }                                                                                               \
+  }
+
+DEFINE(float, f32, 3.40282347e+38f)
+DEFINE(double, f64, 1.7976931348623157e+308)
+
+/* Bit codec: bit i of out (little-endian within each byte) <- v[i] > 0; n a multiple of 8. */
+void dl_pack_positive(const int8_t *restrict v, int64_t n, uint8_t *restrict out) {
+  for (int64_t j = 0; j < n / 8; j++) {
+    const int8_t *b = v + 8 * j;
+    out[j] = (uint8_t)((b[0] > 0) | (b[1] > 0) << 1 | (b[2] > 0) << 2 | (b[3] > 0) << 3 |
+                       (b[4] > 0) << 4 | (b[5] > 0) << 5 | (b[6] > 0) << 6 | (b[7] > 0) << 7);
+  }
+}
+
+/* dl_pack_positive, and how many of v[0..count) are 0, in the same pass over memory (block by
+ * block: the count reads what the packing just brought into the cache). */
+int64_t dl_count_zeros(const int8_t *restrict v, int64_t n);
+void dl_pack_positive(const int8_t *restrict v, int64_t n, uint8_t *restrict out);
+int64_t dl_pack_positive_count_zeros(const int8_t *restrict v, int64_t n, uint8_t *restrict out, int64_t count) {
+  int64_t z = 0;
+  const int64_t block = 8 * 4096;
+  for (int64_t i = 0; i < n; i += block) {
+    int64_t m = n - i < block ? n - i : block;
+    dl_pack_positive(v + i, m, out + i / 8);
+    if (i < count) z += dl_count_zeros(v + i, count - i < m ? count - i : m);
+  }
+  return z;
+}
+
+/* How many of v[0..n) are 0: byte counters over blocks of 255 rows of 64 (no overflow), which
+ * vectorise as byte compares and adds. */
+int64_t dl_count_zeros(const int8_t *restrict v, int64_t n) {
+  int64_t z = 0, i = 0;
+  const int64_t block = 255 * 64;
+  for (; i + block <= n; i += block) {
+    uint8_t acc[64] = {0};
+    for (int64_t r = 0; r < block; r += 64)
+      for (int k = 0; k < 64; k++) acc[k] += v[i + r + k] == 0;
+    for (int k = 0; k < 64; k++) z += acc[k];
+  }
+  for (; i < n; i++) z += v[i] == 0;
+  return z;
+}
+
+static int8_t sign_rows[256][8];
+static float sign_rows_f32[256][8];
+static double sign_rows_f64[256][8];
+
+/* Called once, when the library is loaded (before any thread can use the tables). */
+void dl_init(void) {
+  for (int b = 0; b < 256; b++)
+    for (int k = 0; k < 8; k++) {
+      int v = ((b >> k) & 1) ? 1 : -1;
+      sign_rows[b][k] = (int8_t)v;
+      sign_rows_f32[b][k] = (float)v;
+      sign_rows_f64[b][k] = (double)v;
+    }
+}
+
+/* p <- p*decay - lr*s with s = +1 where bit (start + i) of bits is set, else -1: the update from
+ * 1-bit codes without decoding them (8 values per packed byte, from a table of +-1 rows). */
+#define DEFINE_SIGNS(T, S)                                                                          \
+  typedef T row8_##S __attribute__((vector_size(8 * sizeof(T))));                                   \
+  static void signs_range_##S(T *restrict p, const uint8_t *restrict bits, int64_t nbytes, T decay,  \
+                              T lr) {                                                               \
+    row8_##S vd = {decay, decay, decay, decay, decay, decay, decay, decay};                        \
+    row8_##S vl = {lr, lr, lr, lr, lr, lr, lr, lr};                                                 \
+    for (int64_t j = 0; j < nbytes; j++) {                                                          \
+      row8_##S x, r;                                                                                \
+      __builtin_memcpy(&x, p + 8 * j, sizeof x);                                                    \
+      __builtin_memcpy(&r, sign_rows_##S[bits[j]], sizeof r);                                       \
+      x = x * vd - vl * r; /* (two products, each rounded: -ffp-contract=off) */                    \
+      __builtin_memcpy(p + 8 * j, &x, sizeof x);                                                    \
+    }                                                                                               \
+  }                                                                                                 \
+  void dl_apply_signs_##S(int ns, T **p, const int64_t *start, const int64_t *len,                  \
+                          const uint8_t *bits, T decay, T lr, int nt) {                             \
+    for (int s = 0; s < ns; s++) {                                                                  \
+      T *pp = p[s]; int64_t at = start[s], n = len[s], i = 0;                                       \
+      for (; i < n && (at + i) % 8; i++)                                                            \
+        pp[i] = pp[i] * decay - lr * sign_rows_##S[bits[(at + i) / 8]][(at + i) % 8];               \
+      int64_t body = (n - i) / 8;                                                                   \
+      T *q = pp + i; const uint8_t *bb = bits + (at + i) / 8;                                       \
+      int64_t nbytes = body;                                                                        \
+      FOR_CHUNKS(nbytes, signs_range_##S(q + 8 * lo, bb + lo, hi - lo, decay, lr););                \
+      for (i += 8 * body; i < n; i++)                                                               \
+        pp[i] = pp[i] * decay - lr * sign_rows_##S[bits[(at + i) / 8]][(at + i) % 8];               \
+    }                                                                                               \
+  }
+
+DEFINE_SIGNS(float, f32)
+DEFINE_SIGNS(double, f64)
+
+/* out[i] <- +1 where bit i of packed is set, else -1, for i < n: 8 bytes copied per packed byte. */
+void dl_unpack_signs(const uint8_t *restrict packed, int64_t n, int8_t *restrict out) {
+  int64_t full = n / 8;
+  for (int64_t j = 0; j < full; j++) __builtin_memcpy(out + 8 * j, sign_rows[packed[j]], 8);
+  for (int64_t i = 8 * full; i < n; i++) out[i] = sign_rows[packed[i / 8]][i % 8];
+}
