@@ -2,6 +2,8 @@
 vote written out: unpack every sender's bits, count, compare with N/2, ties by the shared coin
 (or the previous code)."""
 
+import os
+
 import numpy as np
 import torch
 from hypothesis import given, settings, strategies as st
@@ -29,6 +31,29 @@ def test_count_planes_and_comparisons_equal_counting(nbytes, rows, seed):
         assert np.array_equal(np.unpackbits(eq, bitorder="little"), (counts == t).astype(np.uint8))
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 40), st.sampled_from([1, 2, 3, 4, 5, 8, 16, 31, 255]), st.integers(0, 2**31 - 1),
+       st.integers(0, 400))
+def test_native_majority_equals_counting(nbytes, rows, seed, real):
+    """dlion.kernels.majority (one native pass, 64 columns at a time, rows with a stride and a
+    length that is no multiple of 8) against counting the unpacked bits."""
+    from dlion import kernels
+
+    g = np.random.default_rng(seed)
+    packed = g.integers(0, 256, (rows, nbytes + 2), dtype=np.uint8)[:, 1:-1]  # (strided rows)
+    packed[:, 0] = 0xFF
+    counts = np.unpackbits(packed, axis=1, bitorder="little").sum(axis=0)
+    got = kernels.majority(packed, real)
+    assert got is not None  # (CI has a C compiler)
+    gt, eq, unanimous, tied = got
+    t = rows // 2
+    assert np.array_equal(np.unpackbits(gt, bitorder="little"), (counts > t).astype(np.uint8))
+    assert np.array_equal(np.unpackbits(eq, bitorder="little"), (counts == t).astype(np.uint8))
+    live = counts[:min(real, counts.size)]
+    assert unanimous == int(((live == 0) | (live == rows)).sum())
+    assert tied == (int((live == t).sum()) if rows % 2 == 0 else 0)
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.integers(0, 60), st.integers(0, 2**31 - 1))
 def test_popcount_prefix(n, seed):
@@ -38,8 +63,17 @@ def test_popcount_prefix(n, seed):
 
 @settings(max_examples=150, deadline=None)
 @given(st.integers(2, 9), st.integers(1, 6), st.integers(0, 2**31 - 1), st.sampled_from(["random", "previous"]),
-       st.booleans(), st.integers(0, 3))
-def test_packed_vote_equals_the_vote_written_out(world, blocks, seed, ties, gathered, rank):
+       st.booleans(), st.integers(0, 3), st.sampled_from(["1", "0"]))
+def test_packed_vote_equals_the_vote_written_out(world, blocks, seed, ties, gathered, rank, native):
+    """Native (dlion.kernels.majority) and numpy (DLION_NATIVE=0) alike."""
+    os.environ["DLION_NATIVE"] = native
+    try:
+        _check_packed_vote(world, blocks, seed, ties, gathered, rank)
+    finally:
+        del os.environ["DLION_NATIVE"]
+
+
+def _check_packed_vote(world, blocks, seed, ties, gathered, rank):
     rank %= world
     width = 8 * blocks
     n = width * world

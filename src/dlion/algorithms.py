@@ -459,13 +459,16 @@ class OneBit(Algorithm):
         back as 1 bit): the packed codes (exactly ``_SIGN.encode(rule.decide(s, None, …))``) and the
         tally over the ``real`` coordinates that are not padding (:mod:`dlion.bitvote`)."""
         N = self.world
-        planes = count_planes(rows.numpy())
-        gt, eq = compare_count(planes, N // 2)  # count > N/2: +1; count == N/2 (even N): a tie
         real = max(0, min(real, width))
-        unanimous = sum(popcount_prefix(compare_count(planes, t)[1], real) for t in (0, N))
-        tied = 0
+        native = kernels.majority(rows.numpy(), real)
+        if native is not None:  # the same bit-sliced count in one native pass
+            gt, eq, unanimous, tied = native
+        else:
+            planes = count_planes(rows.numpy())
+            gt, eq = compare_count(planes, N // 2)  # count > N/2: +1; count == N/2 (even N): a tie
+            unanimous = sum(popcount_prefix(compare_count(planes, t)[1], real) for t in (0, N))
+            tied = popcount_prefix(eq, real) if N % 2 == 0 else 0  # (padding has count 0: never a tie)
         if N % 2 == 0:
-            tied = popcount_prefix(eq, real)  # (padding has count 0: never a tie)
             if tied and contrib.positions is None:  # every coordinate's tie code at once, kept where tied
                 gt |= eq & self.rule.tie_bits(key, lo, width, contrib.previous)
             elif tied:  # gathered coordinates (a compacted bucket): look up the tied ones only

@@ -43,7 +43,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["supported", "available", "sign_contribution", "momentum_update_", "lion_update_", "apply_codes_",
-           "apply_signs_", "pack_positive", "pack_positive_counting", "unpack_signs", "count_zeros", "NONFINITE"]
+           "apply_signs_", "pack_positive", "pack_positive_counting", "unpack_signs", "count_zeros", "majority",
+           "NONFINITE"]
 
 _DTYPES = {torch.float32: ("f32", ctypes.c_float), torch.float64: ("f64", ctypes.c_double)}
 _SOURCE = Path(__file__).with_name("kernels.c")
@@ -142,6 +143,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dl_count_zeros.argtypes = [P, I64]
     lib.dl_count_zeros.restype = I64
     lib.dl_unpack_signs.argtypes = [P, I64, P]
+    lib.dl_majority.argtypes = [INT, P, I64, I64, P, P, P]
 
 
 @functools.lru_cache(maxsize=None)
@@ -318,3 +320,21 @@ def count_zeros(values: Tensor) -> int:
     if available():
         return int(_load()[0].dl_count_zeros(v.data_ptr(), v.numel()))
     return v.numel() - int(np.count_nonzero(v.numpy()))
+
+
+def majority(rows: np.ndarray, real: int) -> Optional[tuple[np.ndarray, np.ndarray, int, int]]:
+    """The bit-sliced majority vote of :mod:`dlion.bitvote` in one native pass: ``rows`` (uint8,
+    N × w, one packed row of bits per voter, N ≤ 255) → (count > ⌊N/2⌋, count == ⌊N/2⌋ as packed
+    masks, how many of the first ``real`` columns are unanimous (count 0 or N), how many tie
+    (count = N/2, even N)); None where the library is not there."""
+    if not available() or rows.ndim != 2 or rows.dtype != np.uint8 or not 1 <= rows.shape[0] <= 255:
+        return None
+    n, w = rows.shape
+    if rows.strides[1] != 1:
+        rows = np.ascontiguousarray(rows)
+    base, stride = rows.ctypes.data, rows.strides[0]
+    pointers = (ctypes.c_void_p * n)(*[base + r * stride for r in range(n)])
+    gt, eq = np.empty(w, dtype=np.uint8), np.empty(w, dtype=np.uint8)
+    counts = (ctypes.c_int64 * 2)()
+    _load()[0].dl_majority(n, pointers, w, max(0, min(real, 8 * w)), gt.ctypes.data, eq.ctypes.data, counts)
+    return gt, eq, int(counts[0]), int(counts[1])
