@@ -196,21 +196,33 @@ void dl_unpack_signs(const uint8_t *restrict packed, int64_t n, int8_t *restrict
   for (int64_t i = 8 * full; i < n; i++) out[i] = sign_rows[packed[i / 8]][i % 8];
 }
 
-/* Majority vote on packed bits (the bit-sliced adder of dlion.bitvote, 64 columns at a time):
+/* Majority vote on packed bits (the bit-sliced adder of dlion.bitvote, 256 columns at a time):
  * rows[r] holds voter r's w packed bits (1 = +1). Per bit column, count = voters with the bit set;
  * gt <- count > t, eq <- count == t (t = N/2 rounded down), and over the first `real` columns
- * counts[0] += (count == 0 or count == N) (unanimous), counts[1] += (count == t and N even) (tied).
- * N at most 255. */
-static uint64_t load64(const uint8_t *p, int64_t avail) {
-  uint64_t x = 0;
-  __builtin_memcpy(&x, p, avail >= 8 ? 8 : (size_t)avail);
+ * counts[0] = how many have count 0 or N (unanimous), counts[1] = how many count == t with N even
+ * (tied). N at most 255. */
+typedef uint64_t u64x4 __attribute__((vector_size(32)));
+
+static u64x4 load_block(const uint8_t *p, int64_t avail) {
+  u64x4 x = {0, 0, 0, 0};
+  __builtin_memcpy(&x, p, avail >= 32 ? 32 : (size_t)avail);
   return x;
 }
 
-static uint64_t equal_to(const uint64_t *planes, int np, int t) {
-  uint64_t eq = ~(uint64_t)0;
+static u64x4 equal_to(const u64x4 *planes, int np, int t) {
+  u64x4 eq = {~0ULL, ~0ULL, ~0ULL, ~0ULL};
   for (int k = 0; k < np; k++) eq &= ((t >> k) & 1) ? planes[k] : ~planes[k];
-  return (t >> np) ? 0 : eq;
+  return eq;
+}
+
+static int64_t popcount_live(u64x4 x, int64_t first_bit, int64_t real) {
+  int64_t total = 0;
+  for (int l = 0; l < 4; l++) {
+    int64_t bits = real - (first_bit + 64 * l);
+    uint64_t live = bits >= 64 ? ~0ULL : bits > 0 ? ((1ULL << bits) - 1) : 0;
+    total += __builtin_popcountll(x[l] & live);
+  }
+  return total;
 }
 
 void dl_majority(int N, const uint8_t **rows, int64_t w, int64_t real, uint8_t *gt, uint8_t *eq, int64_t *counts) {
@@ -218,29 +230,29 @@ void dl_majority(int N, const uint8_t **rows, int64_t w, int64_t real, uint8_t *
   while ((1 << np) <= N) np++;
   int t = N / 2;
   int64_t unanimous = 0, tied = 0;
-  for (int64_t j = 0; j < w; j += 8) {
+  for (int64_t j = 0; j < w; j += 32) {
     int64_t avail = w - j;
-    uint64_t planes[8] = {0};
+    u64x4 planes[8];
+    for (int k = 0; k < np; k++) planes[k] = (u64x4){0, 0, 0, 0};
     for (int r = 0; r < N; r++) {
-      uint64_t carry = load64(rows[r] + j, avail);
-      for (int k = 0; k < np && carry; k++) {
-        uint64_t p = planes[k];
+      u64x4 carry = load_block(rows[r] + j, avail);
+      for (int k = 0; k < np; k++) {
+        u64x4 p = planes[k];
         planes[k] = p ^ carry;
         carry = p & carry;
       }
     }
-    uint64_t g = 0, e = ~(uint64_t)0;  /* count > t and count == t, compared from the top bit */
+    u64x4 g = {0, 0, 0, 0}, e = {~0ULL, ~0ULL, ~0ULL, ~0ULL};  /* count > t, count == t: from the top bit */
     for (int k = np - 1; k >= 0; k--) {
       if ((t >> k) & 1) e &= planes[k];
       else { g |= e & planes[k]; e &= ~planes[k]; }
     }
-    int64_t bit0 = 8 * j, bits = real - bit0;
-    uint64_t live = bits >= 64 ? ~(uint64_t)0 : bits > 0 ? (((uint64_t)1 << bits) - 1) : 0;
-    uint64_t una = equal_to(planes, np, 0) | equal_to(planes, np, N);
-    unanimous += __builtin_popcountll(una & live);
-    if (N % 2 == 0) tied += __builtin_popcountll(e & live);
-    __builtin_memcpy(gt + j, &g, avail >= 8 ? 8 : (size_t)avail);
-    __builtin_memcpy(eq + j, &e, avail >= 8 ? 8 : (size_t)avail);
+    if (8 * j < real) {
+      unanimous += popcount_live(equal_to(planes, np, 0) | equal_to(planes, np, N), 8 * j, real);
+      if (N % 2 == 0) tied += popcount_live(e, 8 * j, real);
+    }
+    __builtin_memcpy(gt + j, &g, avail >= 32 ? 32 : (size_t)avail);
+    __builtin_memcpy(eq + j, &e, avail >= 32 ? 32 : (size_t)avail);
   }
   counts[0] = unanimous;
   counts[1] = tied;
