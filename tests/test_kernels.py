@@ -184,3 +184,32 @@ def test_codec_loops_native_and_numpy_agree_with_the_definition(v, extra):
             assert kernels.count_zeros(t) == v.count(0)
         finally:
             del os.environ["DLION_NATIVE"]
+
+
+def test_sign_and_pack_writes_signs_zeros_between_and_the_payload():
+    """The fused contribution of a bucket with a gap (a parameter without gradient), a segment across
+    the library's block boundary, padding and stale values: the signs as the eager ops give them, 0
+    elsewhere, the packed bits of values > 0 and the zero count, counted here by hand."""
+    g = torch.Generator().manual_seed(3)
+    sizes, offsets = [5, 70_000, 3, 40_000], [0, 9, 70_012, 70_020]
+    padded, numel = 110_040, 110_020
+    for dtype in (torch.float32, torch.float64):
+        ms = [torch.randn(n, generator=g, dtype=dtype) for n in sizes]
+        gs = [torch.randn(n, generator=g, dtype=dtype) for n in sizes]
+        ms[1][100] = gs[1][100] = 0.0  # c = 0: an abstention inside a segment
+        values = torch.full((padded,), 7, dtype=torch.int8)  # stale: must all be rewritten
+        finite, packed, zeros = kernels.sign_and_pack(ms, gs, offsets, 0.9, 0.1, values, numel)
+        want = torch.zeros(padded, dtype=torch.int8)
+        for m, gg, o in zip(ms, gs, offsets):
+            want[o:o + m.numel()] = torch.sign(torch.mul(m, 0.9).add_(torch.mul(gg, 0.1))).to(torch.int8)
+        assert finite and torch.equal(values, want)
+        bits = [1 if int(v) > 0 else 0 for v in want]
+        assert packed.tolist() == [sum(bits[8 * j + k] << k for k in range(8)) for j in range(padded // 8)]
+        assert zeros == sum(1 for v in want[:numel].tolist() if v == 0)
+        gs[3][39_999] = float("nan")
+        finite, _, _ = kernels.sign_and_pack(ms, gs, offsets, 0.9, 0.1, values, numel)
+        assert not finite and bool(((values >= -1) & (values <= 1)).all())
+    with pytest.raises(ValueError, match="in order"):
+        kernels.sign_and_pack(ms[:2][::-1], gs[:2][::-1], offsets[:2][::-1], 0.9, 0.1, values, numel)
+    with pytest.raises(ValueError, match="in order"):
+        kernels.sign_and_pack(ms[-1:], gs[-1:], [padded - 10], 0.9, 0.1, values, numel)

@@ -90,6 +90,11 @@ class Contribution:
     on_flags: Optional[Callable[["Outcome"], None]] = None
     #: ``ties="previous"``: the whole bucket's codes of the last applied step (by bucket coordinate)
     previous: Optional[Tensor] = None
+    #: the packed bits of values > 0 and how many of values[:numel] are 0, where whoever made
+    #: ``values`` computed them on the way (:func:`dlion.buckets.contribute`, ``fused=True``);
+    #: None: computed here from ``values``
+    packed: Optional[Tensor] = None
+    zeros: Optional[int] = None
 
     def index(self, lo: int, n: int) -> Optional[Tensor]:
         return None if self.positions is None else self.positions[lo:lo + n]
@@ -489,8 +494,10 @@ class OneBit(Algorithm):
         N, n, numel = self.world, contrib.values.numel(), contrib.numel
         c, k = n // N, contrib.has_grad.numel()
         cap, lo = _capacity(c), rank * c
-        packed = None
-        if contrib.values.device.type == "cpu" and contrib.values.dtype == torch.int8 and kernels.available():
+        packed = contrib.packed
+        if packed is not None and contrib.zeros is not None:
+            runs = zero_runs(contrib.values, N, numel) if contrib.zeros else _NO_RUNS
+        elif contrib.values.device.type == "cpu" and contrib.values.dtype == torch.int8 and kernels.available():
             # the 1-bit payload and whether there is any zero to describe, in one pass over the signs
             packed, zeros = kernels.pack_positive_counting(contrib.values, numel)
             runs = zero_runs(contrib.values, N, numel) if zeros else _NO_RUNS

@@ -139,6 +139,10 @@ class RankBuffers:
         #: The gradients the last :func:`contribute` read in place (``borrow=True``) and the sign
         #: it gave them, for :func:`update_momentum`; None when they were copied into ``grad``.
         self.borrowed: Optional[tuple[list[Optional[Tensor]], float]] = None
+        #: ``fused=True``: the last :func:`contribute`'s 1-bit payload (packed bits of values > 0) and
+        #: how many of its values are 0, computed in the same pass as the signs; None otherwise.
+        self.packed: Optional[Tensor] = None
+        self.zeros: Optional[int] = None
         #: ``ties="previous"``: the codes of the last applied step (int8, the padded bucket), else None
         self.last_vote: Optional[Tensor] = None
         self.last_vote_views: list[Tensor] = []
@@ -180,10 +184,10 @@ def contribute(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], scrat
     ``fused=True`` (:func:`fused_applies`): c, its sign and the finiteness check are one native
     loop over the whole bucket (:mod:`dlion.kernels`), the same roundings, reading the
     gradients where they are under the same ``borrow`` rules (copied into ``buf.grad`` first
-    otherwise)."""
+    otherwise), and the 1-bit payload is packed in the same pass (``buf.packed``, ``buf.zeros``)."""
     present = [g is not None for g in grads]
     values = buf.values
-    buf.borrowed = None
+    buf.borrowed = buf.packed = buf.zeros = None
     if not any(present):
         values.zero_()
         return values, present, True
@@ -193,15 +197,18 @@ def contribute(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], scrat
         if borrow and _borrowable(b, grads) and all(g is None or g.is_contiguous() for g in grads):
             js = [j for j, ok in enumerate(present) if ok]
             sign = -1.0 if maximize else 1.0  # (negating the product instead of g: exact either way)
-            finite = kernels.sign_contribution([buf.momentum_views[j] for j in js], [grads[j] for j in js],
-                                               beta1, sign * (1.0 - beta1),
-                                               [out[b.offsets[j]:b.offsets[j] + b.sizes[j]] for j in js])
+            ms, gs, offs = [buf.momentum_views[j] for j in js], [grads[j] for j in js], [b.offsets[j] for j in js]
             buf.borrowed = (grads, sign)
         else:
             _copy_grads(buf, grads, present)
             if maximize:
                 buf.grad.neg_()  # exact; what update_momentum reads, as on the eager path
-            finite = kernels.sign_contribution(buf.momentum, buf.grad, beta1, 1.0 - beta1, out)
+            sign, spans = 1.0, b.ranges(present)
+            ms, gs, offs = [buf.momentum[lo:hi] for lo, hi in spans], [buf.grad[lo:hi] for lo, hi in spans], \
+                [lo for lo, _ in spans]
+        # the signs, 0 for parameters without a gradient and the padding, and the 1-bit payload
+        finite, buf.packed, buf.zeros = kernels.sign_and_pack(ms, gs, offs, beta1, sign * (1.0 - beta1), values,
+                                                              b.numel)
     else:
         finite = _eager_contribution(b, buf, grads, present, scratch, beta1, maximize, quant, borrow, out)
     if partial:

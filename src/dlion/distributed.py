@@ -412,9 +412,10 @@ class DistributedLion(Lion):
             status |= BAD
         self._step.present[k] = present
         self._step.errors[k] = error
+        packed = buf.packed if error is None and self.sign_hook is None else None  # (a hook changes the values)
         return Contribution(buf.values, b.numel, torch.tensor(present, dtype=torch.bool), status,
                             self._digest(group), sizes=b.sizes, on_flags=functools.partial(self._step.read_flags, k),
-                            previous=buf.last_vote)
+                            previous=buf.last_vote, packed=packed, zeros=buf.zeros if packed is not None else None)
 
     def _issue_ready(self, step_no: int) -> None:
         """Start, in bucket order, every bucket whose gradients are all there."""

@@ -33,6 +33,9 @@
     }                                                              \
   } while (0)
 
+void dl_pack_positive(const int8_t *restrict v, int64_t n, uint8_t *restrict out);
+int64_t dl_count_zeros(const int8_t *restrict v, int64_t n);
+
 #define DEFINE(T, S, MAXV)                                                                          \
   /* p <- p*decay - lr*sign(b1*m + s1*g);  m <- b2*m + s2*g   (the Lion rule, per tensor) */         \
   static void lion_range_##S(T *restrict p, T *restrict m, const T *restrict g, int64_t n, T decay, \
@@ -75,6 +78,30 @@
         bad |= sign_range_##S(mm + lo, gg + lo, oo + lo, hi - lo, b1, s1);                          \
       }                                                                                             \
     }                                                                                               \
+    return !bad;                                                                                    \
+  }                                                                                                 \
+  /* dl_sign over a whole bucket, then its 1-bit payload, block by block so that packing reads what \
+   * was just written: values[0, padded) <- the signs of the segments (at offsets off), 0 elsewhere; \
+   * packed <- bits of values > 0; *zeros <- how many of values[0, numel) are 0. One thread. */      \
+  int dl_sign_pack_##S(int ns, T **m, T **g, const int64_t *off, const int64_t *len, T b1, T s1,    \
+                       int8_t *values, int64_t padded, int64_t numel, uint8_t *packed,               \
+                       int64_t *zeros) {                                                            \
+    const int64_t block = 8 * 4096;                                                                 \
+    int bad = 0, s = 0;                                                                             \
+    int64_t z = 0;                                                                                  \
+    for (int64_t lo = 0; lo < padded; lo += block) {                                                \
+      int64_t hi = lo + block < padded ? lo + block : padded;                                       \
+      __builtin_memset(values + lo, 0, (size_t)(hi - lo));                                          \
+      for (int t = s; t < ns && off[t] < hi; t++) {                                                 \
+        int64_t a = off[t] > lo ? off[t] : lo, e = off[t] + len[t] < hi ? off[t] + len[t] : hi;     \
+        if (a < e) bad |= sign_range_##S(m[t] + (a - off[t]), g[t] + (a - off[t]), values + a, e - a, \
+                                         b1, s1);                                                   \
+        if (off[t] + len[t] <= hi && t == s) s++;                                                   \
+      }                                                                                             \
+      dl_pack_positive(values + lo, hi - lo, packed + lo / 8);                                      \
+      if (lo < numel) z += dl_count_zeros(values + lo, (numel < hi ? numel : hi) - lo);             \
+    }                                                                                               \
+    *zeros = z;                                                                                     \
     return !bad;                                                                                    \
   }                                                                                                 \
   /* m <- b2*m + s2*g */                                                                            \

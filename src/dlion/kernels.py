@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["supported", "available", "sign_contribution", "momentum_update_", "lion_update_", "apply_codes_",
+__all__ = ["supported", "available", "sign_contribution", "sign_and_pack", "momentum_update_", "lion_update_", "apply_codes_",
            "apply_signs_", "pack_positive", "pack_positive_counting", "unpack_signs", "count_zeros", "majority",
            "NONFINITE"]
 
@@ -134,6 +134,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, f"dl_lion_{suffix}").argtypes = [INT, P, P, P, P, T, T, T, T, T, T, INT]
         getattr(lib, f"dl_sign_{suffix}").argtypes = [INT, P, P, P, P, T, T, INT]
         getattr(lib, f"dl_sign_{suffix}").restype = INT
+        getattr(lib, f"dl_sign_pack_{suffix}").argtypes = [INT, P, P, P, P, T, T, P, I64, I64, P, P]
+        getattr(lib, f"dl_sign_pack_{suffix}").restype = INT
         getattr(lib, f"dl_momentum_{suffix}").argtypes = [INT, P, P, P, T, T, INT]
         getattr(lib, f"dl_apply_codes_{suffix}").argtypes = [INT, P, P, P, T, T, INT]
         getattr(lib, f"dl_apply_signs_{suffix}").argtypes = [INT, P, P, P, P, T, T, INT]
@@ -217,6 +219,32 @@ def sign_contribution(m: Tensors, g: Tensors, beta1: float, scale: float, out: T
     for o in outs:
         o.clamp_(-1, 1)  # (the codecs expect signs)
     return False
+
+
+def sign_and_pack(m: Sequence[Tensor], g: Sequence[Tensor], offsets: Sequence[int], beta1: float, scale: float,
+                  values: Tensor, numel: int) -> tuple[bool, Tensor, int]:
+    """:func:`sign_contribution` of a whole bucket and its 1-bit payload in one pass over memory:
+    ``values`` (int8, the padded bucket) ← sign(β1·m + scale·g) of each segment at its offset, 0
+    between and after them; returns (every c finite, the packed bits of values > 0, how many of
+    values[:numel] are 0). Segments in increasing offset order, inside ``values``, not overlapping.
+    Where some c is not finite, ``values`` is clamped to signs as in :func:`sign_contribution`."""
+    ms, gs = list(m), list(g)
+    _same_sizes(ms, gs)
+    if len(offsets) != len(ms) or values.dtype != torch.int8 or not values.is_contiguous() or values.numel() % 8:
+        raise ValueError("dlion.kernels: one offset per segment, and int8 values of a length that is a multiple of 8")
+    ends = [o + x.numel() for o, x in zip(offsets, ms)]
+    if any(o < 0 for o in offsets) or any(e > values.numel() for e in ends) or any(
+            b < a for a, b in zip(ends, list(offsets)[1:])):
+        raise ValueError("dlion.kernels: segments must lie in values, in order, without overlapping")
+    packed = torch.empty(values.numel() // 8, dtype=torch.uint8)
+    zeros = ctypes.c_int64(0)
+    suffix, T = _kind(ms[0]) if ms else ("f32", ctypes.c_float)
+    ok = getattr(_lib(), f"dl_sign_pack_{suffix}")(
+        len(ms), _pointers(ms), _pointers(gs), (ctypes.c_int64 * len(ms))(*offsets), _lengths(ms), T(beta1), T(scale),
+        values.data_ptr(), values.numel(), max(0, min(numel, values.numel())), packed.data_ptr(), ctypes.byref(zeros))
+    if not ok:
+        values.clamp_(-1, 1)  # (the codecs expect signs; 2 > 0 and 1 > 0: the packed bits stand)
+    return bool(ok), packed, int(zeros.value)
 
 
 def momentum_update_(m: Tensors, g: Tensors, beta2: float, scale: float) -> None:

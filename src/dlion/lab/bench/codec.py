@@ -4,7 +4,9 @@ On one bucket of ``--params`` coordinates, with ``--workers`` simulated ranks (m
 ``--repeat``), one rank's share of:
 
 * ``lion step``   the local Lion update of :class:`dlion.Lion` (c, sign, decay, step, momentum)
-* ``contribute``  gradient into the flat bucket, c, the non-finite check, sign(c) as int8
+* ``contribute``  gradient into the flat bucket, c, the non-finite check, sign(c) as int8 (with
+                  ``--fused`` the gradients are read in place and the 1-bit payload is packed
+                  in the same pass, so the exchange does not pack it again)
 * ``exchange``    the aggregation algorithm's own work (``--comm``): encode the header and
                   signs, count and vote on the received chunk, encode and decode the codes —
                   everything but the transport (measured inside the algorithm's generator).
@@ -86,7 +88,9 @@ def run(n: int, world: int, vote: str, comm: str, repeat: int, device: str, fuse
     for r in range(world):
         values, present, _ = contribute(b, bufs[r], [grads[r]], scratch, beta1=0.9, maximize=False, borrow=True,
                                         fused=fused)
-        contribs.append(Contribution(values.clone(), b.numel, torch.tensor(present), previous=previous))
+        # (with --fused, contribute packed the 1-bit payload on the way, as DistributedLion hands it over)
+        contribs.append(Contribution(values.clone(), b.numel, torch.tensor(present), previous=previous,
+                                     packed=bufs[r].packed, zeros=bufs[r].zeros))
     inside = [0.0]
 
     def exchange():
