@@ -34,11 +34,13 @@ def test_kernels_equal_the_eager_rule(m, g, beta, dtype, negate):
     scale = -(1.0 - beta) if negate else 1.0 - beta
     # c = β·m + scale·g, each product rounded, as DistributedLion's contribute computes it
     c = torch.mul(m, beta).add_(torch.mul(g, scale))
-    out = torch.full((n,), 7, dtype=torch.int8)
-    finite = kernels.sign_contribution(m, g, beta, scale, out)
+    values = torch.full((n + (-n) % 8,), 7, dtype=torch.int8)
+    finite, packed, zeros = kernels.sign_and_pack([m], [g], [0], beta, scale, values, n)
+    out = values[:n]
     assert finite == bool(torch.isfinite(c).all())
     if finite:
         assert torch.equal(out, torch.sign(c).to(torch.int8))
+        assert zeros == int((torch.sign(c) == 0).sum())
     else:  # no meaning, but nothing a codec cannot take
         assert bool(((out >= -1) & (out <= 1)).all())
     m2 = m.clone()
@@ -121,14 +123,6 @@ def test_many_segments_in_one_call_equal_one_call_each():
         gs = [torch.randn(n, generator=g, dtype=dtype) for n in sizes]
         ms[3][5] = 0.0
         gs[3][5] = 0.0  # c = 0: sign 0
-        outs = [torch.full((n,), 7, dtype=torch.int8) for n in sizes]
-        assert kernels.sign_contribution(ms, gs, 0.9, 0.1, outs)
-        for m, gg, o in zip(ms, gs, outs):
-            assert torch.equal(o, torch.sign(torch.mul(m, 0.9).add_(torch.mul(gg, 0.1))).to(torch.int8))
-        assert outs[3][5] == 0
-        gs[4][70_000] = float("inf")
-        assert not kernels.sign_contribution(ms, gs, 0.9, 0.1, outs)
-        gs[4][70_000] = 0.5
         codes = [torch.randint(-1, 2, (n,), generator=g, dtype=torch.int8) for n in sizes]
         want = [p * (1 - 0.01 * 0.1) - 0.01 * c.to(dtype) for p, c in zip(ps, codes)]
         kernels.apply_codes_(ps, codes, 0.01, 0.1)

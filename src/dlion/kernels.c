@@ -54,7 +54,7 @@ int64_t dl_count_zeros(const int8_t *restrict v, int64_t n);
       FOR_CHUNKS(len[s], lion_range_##S(pp + lo, mm + lo, gg + lo, hi - lo, decay, lr, b1, s1, b2, s2);); \
     }                                                                                               \
   }                                                                                                 \
-  /* out <- sign(b1*m + s1*g) as int8, or 2 where that is not finite; 1 if all were finite */       \
+  /* o <- sign(b1*m + s1*g) as int8, or 2 where that is not finite; whether any was not finite */   \
   static int sign_range_##S(const T *restrict m, const T *restrict g, int8_t *restrict o, int64_t n, \
                             T b1, T s1) {                                                           \
     int bad = 0;                                                                                    \
@@ -67,20 +67,7 @@ int64_t dl_count_zeros(const int8_t *restrict v, int64_t n);
     }                                                                                               \
     return bad;                                                                                     \
   }                                                                                                 \
-  int dl_sign_##S(int ns, T **m, T **g, int8_t **out, const int64_t *len, T b1, T s1, int nt) {     \
-    int bad = 0;                                                                                    \
-    for (int s = 0; s < ns; s++) {                                                                  \
-      const T *mm = m[s], *gg = g[s]; int8_t *oo = out[s]; int64_t n = len[s];                      \
-      int64_t nch = (n + CHUNK - 1) / CHUNK;                                                        \
-      PARALLEL_CHUNKS_OR(bad)                                                                       \
-      for (int64_t k = 0; k < nch; k++) {                                                           \
-        int64_t lo = k * CHUNK, hi = lo + CHUNK < n ? lo + CHUNK : n;                               \
-        bad |= sign_range_##S(mm + lo, gg + lo, oo + lo, hi - lo, b1, s1);                          \
-      }                                                                                             \
-    }                                                                                               \
-    return !bad;                                                                                    \
-  }                                                                                                 \
-  /* dl_sign over a whole bucket, then its 1-bit payload, block by block so that packing reads what \
+  /* The signs of a whole bucket and its 1-bit payload, block by block so that packing reads what   \
    * was just written: values[0, padded) <- the signs of the segments (at offsets off), 0 elsewhere; \
    * packed <- bits of values > 0; *zeros <- how many of values[0, numel) are 0. One thread. */      \
   int dl_sign_pack_##S(int ns, T **m, T **g, const int64_t *off, const int64_t *len, T b1, T s1,    \

@@ -42,14 +42,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["supported", "available", "sign_contribution", "sign_and_pack", "momentum_update_", "lion_update_", "apply_codes_",
+__all__ = ["supported", "available", "sign_and_pack", "momentum_update_", "lion_update_", "apply_codes_",
            "apply_signs_", "pack_positive", "pack_positive_counting", "unpack_signs", "count_zeros", "majority",
            "NONFINITE"]
 
 _DTYPES = {torch.float32: ("f32", ctypes.c_float), torch.float64: ("f64", ctypes.c_double)}
 _SOURCE = Path(__file__).with_name("kernels.c")
 
-#: What :func:`sign_contribution` writes where c is inf or NaN (never a sign).
+#: What the sign loop writes where c is inf or NaN (never a sign), before :func:`sign_and_pack` clamps it.
 NONFINITE = 2
 
 Tensors = Union[Tensor, Sequence[Tensor]]
@@ -132,8 +132,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     P, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     for suffix, T in _DTYPES.values():
         getattr(lib, f"dl_lion_{suffix}").argtypes = [INT, P, P, P, P, T, T, T, T, T, T, INT]
-        getattr(lib, f"dl_sign_{suffix}").argtypes = [INT, P, P, P, P, T, T, INT]
-        getattr(lib, f"dl_sign_{suffix}").restype = INT
         getattr(lib, f"dl_sign_pack_{suffix}").argtypes = [INT, P, P, P, P, T, T, P, I64, I64, P, P]
         getattr(lib, f"dl_sign_pack_{suffix}").restype = INT
         getattr(lib, f"dl_momentum_{suffix}").argtypes = [INT, P, P, P, T, T, INT]
@@ -202,32 +200,14 @@ def _kind(x: Tensor):
         raise ValueError(f"dlion.kernels: fp32 or fp64 only, got {x.dtype}") from None
 
 
-def sign_contribution(m: Tensors, g: Tensors, beta1: float, scale: float, out: Tensors) -> bool:
-    """``out`` ← sign(β1·m + scale·g) (int8; sign(0) = 0), segment by segment, in one pass over
-    m and g; True when every c is finite. Where some c is not finite ``out`` holds no meaningful
-    signs (the step is rejected on every rank), but only values in {−1, 0, 1}. ``scale`` is
-    1 − β1 (or −(1 − β1) for ``maximize``); m and g are untouched."""
-    ms, gs, outs = _segments(m), _segments(g), _segments(out)
-    _same_sizes(ms, gs, outs)
-    if not ms or not sum(x.numel() for x in ms):
-        return True
-    suffix, T = _kind(ms[0])
-    ok = getattr(_lib(), f"dl_sign_{suffix}")(len(ms), _pointers(ms), _pointers(gs), _pointers(outs), _lengths(ms),
-                                             T(beta1), T(scale), torch.get_num_threads())
-    if ok:
-        return True
-    for o in outs:
-        o.clamp_(-1, 1)  # (the codecs expect signs)
-    return False
-
-
 def sign_and_pack(m: Sequence[Tensor], g: Sequence[Tensor], offsets: Sequence[int], beta1: float, scale: float,
                   values: Tensor, numel: int) -> tuple[bool, Tensor, int]:
-    """:func:`sign_contribution` of a whole bucket and its 1-bit payload in one pass over memory:
+    """The signs of a whole bucket's c and its 1-bit payload in one pass over memory:
     ``values`` (int8, the padded bucket) ← sign(β1·m + scale·g) of each segment at its offset, 0
     between and after them; returns (every c finite, the packed bits of values > 0, how many of
     values[:numel] are 0). Segments in increasing offset order, inside ``values``, not overlapping.
-    Where some c is not finite, ``values`` is clamped to signs as in :func:`sign_contribution`."""
+    Where some c is not finite, ``values`` holds no meaningful signs (the step is rejected on every
+    rank), but only values in {−1, 0, 1}. ``scale`` is 1 − β1, or −(1 − β1) for ``maximize``."""
     ms, gs = list(m), list(g)
     _same_sizes(ms, gs)
     if len(offsets) != len(ms) or values.dtype != torch.int8 or not values.is_contiguous() or values.numel() % 8:
