@@ -207,3 +207,22 @@ def test_sign_and_pack_writes_signs_zeros_between_and_the_payload():
         kernels.sign_and_pack(ms[:2][::-1], gs[:2][::-1], offsets[:2][::-1], 0.9, 0.1, values, numel)
     with pytest.raises(ValueError, match="in order"):
         kernels.sign_and_pack(ms[-1:], gs[-1:], [padded - 10], 0.9, 0.1, values, numel)
+
+
+def _build_and_use(cache: str) -> bool:
+    os.environ["DLION_CACHE_DIR"] = cache
+    kernels._load.cache_clear()
+    p, m, g = torch.ones(100), torch.zeros(100), torch.ones(100)
+    kernels.lion_update_(p, m, g, 0.1, 0.0, 0.9, 0.99)
+    return bool(torch.all(p == 0.9)) and kernels.available()
+
+
+def test_ranks_building_the_library_at_once_all_load_a_whole_one(tmp_path):
+    """Several processes (the ranks of a first run) build into one empty cache at the same time:
+    each writes its own temporary file and renames it into place, so every one loads a complete
+    library, and one file is left."""
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(4) as pool:
+        assert pool.map(_build_and_use, [str(tmp_path)] * 4) == [True] * 4
+    assert len(list(tmp_path.glob("kernels-*.so"))) == 1 and not list(tmp_path.glob("*.tmp"))
