@@ -226,3 +226,17 @@ def test_ranks_building_the_library_at_once_all_load_a_whole_one(tmp_path):
     with mp.get_context("spawn").Pool(4) as pool:
         assert pool.map(_build_and_use, [str(tmp_path)] * 4) == [True] * 4
     assert len(list(tmp_path.glob("kernels-*.so"))) == 1 and not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_step_under_a_saved_graph_is_caught_by_autograd_like_any_in_place_op(fused):
+    """The native kernels write parameters through raw pointers; they bump the version counter as a
+    torch op does, so backward through a graph that saved the old values fails the same way."""
+    import dlion
+
+    p = torch.randn(8, requires_grad=True)
+    loss = (p * p).sum()  # saves p
+    p.grad = torch.ones(8)
+    dlion.Lion([p], lr=0.1, fused=fused).step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

@@ -186,6 +186,14 @@ def _lengths(xs: list[Tensor]):
     return (ctypes.c_int64 * len(xs))(*[x.numel() for x in xs])
 
 
+def _written(xs: list[Tensor]) -> None:
+    """Tell autograd that ``xs`` changed in place, as a torch op would: a graph that saved one of
+    them then fails in backward instead of silently using the new values."""
+    bump = getattr(torch.autograd.graph, "increment_version", None)
+    if bump is not None and xs:
+        bump(xs)
+
+
 def _same_sizes(*groups: list[Tensor]) -> None:
     first = groups[0]
     for g in groups[1:]:
@@ -235,6 +243,7 @@ def momentum_update_(m: Tensors, g: Tensors, beta2: float, scale: float) -> None
         suffix, T = _kind(ms[0])
         getattr(_lib(), f"dl_momentum_{suffix}")(len(ms), _pointers(ms), _pointers(gs), _lengths(ms), T(beta2),
                                                  T(scale), torch.get_num_threads())
+        _written(ms)
 
 
 def lion_update_(p: Tensors, m: Tensors, g: Tensors, lr: float, weight_decay: float, beta1: float, beta2: float,
@@ -250,6 +259,7 @@ def lion_update_(p: Tensors, m: Tensors, g: Tensors, lr: float, weight_decay: fl
         getattr(_lib(), f"dl_lion_{suffix}")(
             len(ps), _pointers(ps), _pointers(ms), _pointers(gs), _lengths(ps), T(1.0 - lr * weight_decay), T(lr),
             T(beta1), T(scale * (1.0 - beta1)), T(beta2), T(scale * (1.0 - beta2)), torch.get_num_threads())
+        _written(ps + ms)
 
 
 def apply_codes_(p: Tensors, codes: Tensors, lr: float, weight_decay: float) -> None:
@@ -261,6 +271,7 @@ def apply_codes_(p: Tensors, codes: Tensors, lr: float, weight_decay: float) -> 
         suffix, T = _kind(ps[0])
         getattr(_lib(), f"dl_apply_codes_{suffix}")(len(ps), _pointers(ps), _pointers(cs), _lengths(ps),
                                                     T(1.0 - lr * weight_decay), T(lr), torch.get_num_threads())
+        _written(ps)
 
 
 def apply_signs_(p: Tensors, starts: Sequence[int], bits: Tensor, lr: float, weight_decay: float) -> None:
@@ -280,6 +291,7 @@ def apply_signs_(p: Tensors, starts: Sequence[int], bits: Tensor, lr: float, wei
         getattr(_lib(), f"dl_apply_signs_{suffix}")(len(ps), _pointers(ps), (ctypes.c_int64 * len(ps))(*starts),
                                                     _lengths(ps), b.data_ptr(), T(1.0 - lr * weight_decay), T(lr),
                                                     torch.get_num_threads())
+        _written(ps)
 
 
 # -- the bit codec's loops (numpy where the library is not there) ---------------------------------
