@@ -87,6 +87,8 @@ CONFIGS = [
     # no abstention: the 1-bit codes are applied from their packed bits; gradients read in place (fp32)
     dict(vote="mavo", ties="random", dense=True, fused=True),
     dict(vote="mavo", dense=True, maximize=True, fused=True),
+    # a small first bucket, then one bucket of the rest (DDP's first bucket)
+    dict(vote="mavo", ties="random", fused=True, bucket_cap_mb=[40 * 4 / 2**20, 25.0]),
 ]
 
 
@@ -330,10 +332,26 @@ def test_ranks_disagreeing_on_the_model_get_a_clear_error_and_nothing_changes(ki
     (dict(betas=(0.9, 1.0)), "Invalid beta2"),
     (dict(weight_decay=-1), "Invalid weight_decay"),
     (dict(bucket_cap_mb=0), "bucket_cap_mb must be > 0"),
+    (dict(bucket_cap_mb=[]), "bucket_cap_mb must be > 0"),
+    (dict(bucket_cap_mb=[1.0, -2.0]), "bucket_cap_mb must be > 0"),
+    (dict(bucket_cap_mb=[1.0, True]), "bucket_cap_mb must be > 0"),
 ])
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         dlion.DistributedLion([torch.zeros(3, requires_grad=True)], **kwargs)
+
+
+def test_a_list_of_bucket_caps_sizes_the_first_buckets_and_repeats_its_last():
+    from dlion.buckets import layout_buckets
+    ps = [torch.zeros(n, requires_grad=True) for n in (100, 100, 100, 50, 30, 20)]
+    group: dict = {}
+    mb = 4 / 2**20  # one fp32 coordinate
+    sizes = [[p.numel() for p in b.params] for b in layout_buckets(ps, [group] * 6, 2, [60 * mb, 200 * mb])]
+    assert sizes == [[20, 30], [50, 100], [100, 100]]  # reversed order; a bucket closes before passing its cap
+    sizes = [[p.numel() for p in b.params] for b in layout_buckets(ps, [group] * 6, 2, 200 * mb)]
+    assert sizes == [[20, 30, 50, 100], [100, 100]]
+    sizes = [[p.numel() for p in b.params] for b in layout_buckets(ps, [group] * 6, 2, [10 * mb, 60 * mb, 1000 * mb])]
+    assert sizes == [[20], [30], [50, 100, 100, 100]]  # a parameter larger than the cap gets a bucket of its own
 
 
 def test_bad_parameters_rejected():
@@ -757,7 +775,10 @@ PIPELINE_CONFIGS = [dict(vote="mavo", overlap=True, bucket_cap_mb=40 * 4 / 2**20
                     # ties="previous": the last vote lives in the state_dict, and the voters read it mid-backward
                     dict(vote="mavo", ties="previous", schedule="partial", overlap=True, resume_at=3,
                          bucket_cap_mb=40 * 4 / 2**20),
-                    dict(vote="mavo", ties="previous", resume_at=5, bucket_cap_mb=40 * 4 / 2**20)]
+                    dict(vote="mavo", ties="previous", resume_at=5, bucket_cap_mb=40 * 4 / 2**20),
+                    # a small first bucket, the rest in larger ones (the list form of bucket_cap_mb)
+                    dict(vote="mavo", ties="random", schedule="partial", overlap=True, fused=True,
+                         bucket_cap_mb=[10 * 4 / 2**20, 3000 * 4 / 2**20])]
 
 
 @pytest.mark.parametrize("world", [3, 4])

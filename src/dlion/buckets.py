@@ -90,22 +90,28 @@ class LeftOut:
             self.skip, self.kept = ~has_grad, self.bucket.ranges(has_grad.tolist())
 
 
-def layout_buckets(params: list[Tensor], groups: list[dict], world: int, cap_mb: float, *,
+def layout_buckets(params: list[Tensor], groups: list[dict], world: int, cap_mb, *,
                    trainable_only: bool = True) -> list[Bucket]:
     """Buckets of the ``params`` (``groups[i]`` is param i's group; only those with
     ``requires_grad`` unless ``trainable_only=False``), in reverse order, split by
-    (group, device, dtype); ``cap_mb`` counts fp32 coordinates like DDP."""
-    cap = max(1, int(cap_mb * 2**20 / 4))
+    (group, device, dtype); ``cap_mb`` counts fp32 coordinates like DDP. A sequence of caps
+    (like DDP's ``bucket_cap_mb_list``) gives the caps of the first, second, … bucket of each
+    (group, device, dtype), its last entry repeating: ``[1, 6]`` is a small first bucket, so that
+    the first collective leaves early in backward (DDP's ``first_bucket_bytes_cap``)."""
+    caps = [max(1, int(c * 2**20 / 4)) for c in (cap_mb if isinstance(cap_mb, (list, tuple)) else [cap_mb])]
     buckets: list[Bucket] = []
     pending: dict = {}
+    closed: dict = {}
     for i in reversed(range(len(params))):
         p = params[i]
         if trainable_only and not p.requires_grad:
             continue
         key = (id(groups[i]), p.device, p.dtype)
         ps, idx = pending.setdefault(key, ([], []))
+        cap = caps[min(closed.get(key, 0), len(caps) - 1)]
         if ps and sum(q.numel() for q in ps) + p.numel() > cap:
             buckets.append(Bucket(len(buckets), ps, idx, groups[i], world))
+            closed[key] = closed.get(key, 0) + 1
             ps, idx = pending[key] = ([], [])
         ps.append(p)
         idx.append(i)

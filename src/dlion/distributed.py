@@ -45,7 +45,7 @@ import functools
 import struct
 import warnings
 import zlib
-from typing import Callable, Iterable, Optional, Union
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -144,7 +144,9 @@ class DistributedLion(Lion):
             and drop that exchange and send the accumulated gradients again (the result
             of plain ``torch.optim``, at the cost of one wasted exchange). Every rank
             must run the same backwards between steps (as with DDP).
-        bucket_cap_mb: bucket size, counted as fp32 parameters like DDP.
+        bucket_cap_mb: bucket size, counted as fp32 parameters like DDP; or a list of caps,
+            the first, second, … bucket's, the last repeating (``[1, 6]``: a small first
+            bucket whose collectives leave early in backward, like DDP's first bucket).
         seed: seeds the tie coins (``ties="random"`` or ``"previous"``).
         check_every: every K steps compare a checksum of every parameter across
             ranks and raise :class:`DesyncError` naming the first that differs.
@@ -198,7 +200,7 @@ class DistributedLion(Lion):
         quant_bits: int = 8,
         momentum_sync: Union[str, int] = "none",
         overlap: bool = False,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: Union[float, Sequence[float]] = 25.0,
         seed: int = 0,
         check_every: int = 0,
         nonfinite: str = "skip",
@@ -231,7 +233,7 @@ class DistributedLion(Lion):
         self.quant_levels = levels(quant_bits, world) if aggregate == "quantized" else 0
         self.momentum_sync, self.overlap, self.seed = momentum_sync, overlap, seed
         self.check_every, self.nonfinite, self.sign_hook = check_every, nonfinite, sign_hook
-        self.bucket_cap_mb = bucket_cap_mb
+        self.bucket_cap_mb = list(bucket_cap_mb) if isinstance(bucket_cap_mb, (list, tuple)) else bucket_cap_mb
         self.delay = delay
         self.comm_stats = CommStats()
         #: completed ``step()`` calls, skipped ones included: keys the tie coins and the momentum-sync
@@ -867,8 +869,9 @@ def check_options(comm, aggregate, vote, quant_norm, quant_bits, momentum_sync, 
     if not (momentum_sync in ("none", "doubling") or (isinstance(momentum_sync, int)
                                                      and not isinstance(momentum_sync, bool) and momentum_sync > 0)):
         raise ValueError(f"momentum_sync must be 'none', 'doubling' or a positive int K, got {momentum_sync!r}")
-    if not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
-        raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+    caps = list(bucket_cap_mb) if isinstance(bucket_cap_mb, (list, tuple)) else [bucket_cap_mb]
+    if not caps or not all(isinstance(c, (int, float)) and not isinstance(c, bool) and c > 0 for c in caps):
+        raise ValueError(f"bucket_cap_mb must be > 0, or a non-empty list of caps > 0, got {bucket_cap_mb!r}")
     if not isinstance(check_every, int) or check_every < 0:
         raise ValueError(f"check_every must be an int >= 0, got {check_every!r}")
     if nonfinite not in NONFINITE_POLICIES:

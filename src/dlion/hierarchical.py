@@ -33,7 +33,7 @@ import os
 import struct
 import warnings
 import zlib
-from typing import Callable, Iterable, Optional, Union
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -145,7 +145,7 @@ class HierarchicalDistributedLion(Lion):
         quant_norm: str = "l1",
         quant_bits: int = 8,
         momentum_sync: Union[str, int] = "none",
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: Union[float, Sequence[float]] = 25.0,
         seed: int = 0,
         check_every: int = 0,
         nonfinite: str = "skip",
@@ -186,7 +186,8 @@ class HierarchicalDistributedLion(Lion):
         self.comm, self.aggregate = comm, aggregate
         self.quant_norm, self.quant_bits = quant_norm, quant_bits
         self.quant_levels = levels(quant_bits, self.num_nodes) if aggregate == "quantized" else 0
-        self.momentum_sync, self.seed, self.bucket_cap_mb = momentum_sync, seed, bucket_cap_mb
+        self.momentum_sync, self.seed = momentum_sync, seed
+        self.bucket_cap_mb = list(bucket_cap_mb) if isinstance(bucket_cap_mb, (list, tuple)) else bucket_cap_mb
         self.check_every, self.nonfinite = check_every, nonfinite
         self.comm_stats = CommStats()
         self.local_stats = CommStats()

@@ -41,7 +41,7 @@ class SimulatedDistributedLion:
                  betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0, *,
                  vote: str = "mavo", ties: str = "zero", comm: str = "1bit", aggregate: str = "sign",
                  quant_norm: str = "l1", quant_bits: int = 8, momentum_sync: Union[str, int] = "none",
-                 bucket_cap_mb: float = 25.0, seed: int = 0, momentum_dtype: Optional[torch.dtype] = None,
+                 bucket_cap_mb: Union[float, Sequence[float]] = 25.0, seed: int = 0, momentum_dtype: Optional[torch.dtype] = None,
                  sign_hooks: Optional[Sequence[Optional[Callable[[int, Tensor], Tensor]]]] = None):
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")

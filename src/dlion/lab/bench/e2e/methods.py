@@ -18,10 +18,10 @@ DLION = tuple(f"d-{vote}-{comm}{ov}" for vote in ("mavo", "avg") for comm in ("a
               for ov in ("", "-ov")) + ("d-mavo-quant", "d-mavo-quant-ov", "d-mavo-1bit-ov-rt", "d-mavo-1bit-ov-m16") \
     + ("d-mavo-1bit-1b", "d-mavo-1bit-rt-1b", "d-avg-1bit-1b") \
     + ("d-mavo-1bit-rt-dl", "d-mavo-1bit-rt-1b-dl", "d-avg-1bit-dl") \
-    + ("d-mavo-1bit-ov-pt", "d-mavo-1bit-pt-1b", "d-mavo-1bit-pt-dl")
+    + ("d-mavo-1bit-ov-pt", "d-mavo-1bit-pt-1b", "d-mavo-1bit-pt-dl", "d-mavo-1bit-ov-rt-fb")
 # -rt / -pt: ties="random" / "previous" (whatever --ties says); -1b: the whole model in one bucket, like
-# PowerSGD; -dl: delay=1 (Δ applied a step later, its exchange
-# overlapping the next forward and backward)
+# PowerSGD; -fb: a first bucket of FIRST_BUCKET_MB, then --bucket-mb (DDP's small first bucket);
+# -dl: delay=1 (Δ applied a step later, its exchange overlapping the next forward and backward)
 HIER = ("h-mavo-1bit", "h-mavo-allgather", "h-avg-1bit")  # HierarchicalDistributedLion (needs --nodes)
 METHODS = BASELINES + DLION + HIER
 _MOMENTUM_SYNC = re.compile(r"^(d-.+)-ms(\d+|d)$")  # a D-Lion method + "-ms<K>": momenta averaged every K steps
@@ -67,6 +67,8 @@ LABELS = {"compute": "compute only (no comm)", "sync-only": "sync only (1 value 
           "ddp-dlion-hook": "D-Lion MaVo as a DDP comm hook (allgather)"}
 POWERSGD_START_ITER = 2  # PowerSGD needs >= 2 uncompressed iterations (DDP rebuilds buckets after the first)
 POWERSGD_BUCKET_MB = 1 << 16  # one bucket for PowerSGD (see MethodRun)
+FIRST_BUCKET_MB = 2.0  # -fb methods: on CharGPT the one block-5 MLP matrix, like DDP's 1 MiB first bucket (which closes
+# once it reaches its cap; ours before it would pass it)
 PROFILE_RANGES = ("dlion.contribute", "dlion.exchange", "dlion.apply")
 
 
@@ -84,7 +86,8 @@ def label(method: str) -> str:
     return (f"D-Lion {'MaVo' if vote == 'mavo' else 'Avg'} {comm}{' +overlap' if ov else ''}"
             f"{' +random ties' if rt else ''}{' +previous-vote ties' if 'pt' in parts[3:] else ''}"
             f"{' +bf16 momentum' if m16 else ''}"
-            f"{', one bucket' if '1b' in parts[3:] else ''}{' +delay 1' if 'dl' in parts[3:] else ''}")
+            f"{', one bucket' if '1b' in parts[3:] else ''}{' +delay 1' if 'dl' in parts[3:] else ''}"
+            f"{f' +{FIRST_BUCKET_MB:g} MB first bucket' if 'fb' in parts[3:] else ''}")
 
 
 def parse_methods(text: str) -> list[str]:
@@ -248,7 +251,8 @@ class MethodRun:
                 ties="random" if "rt" in rest else "previous" if "pt" in rest else cfg["ties"],
                 comm="1bit" if quant else comm, aggregate="quantized" if quant else "sign",
                 quant_bits=cfg["quant_bits"], overlap="ov" in rest,
-                bucket_cap_mb=POWERSGD_BUCKET_MB if "1b" in rest else cfg["bucket_mb"],
+                bucket_cap_mb=(POWERSGD_BUCKET_MB if "1b" in rest else
+                               [FIRST_BUCKET_MB, cfg["bucket_mb"]] if "fb" in rest else cfg["bucket_mb"]),
                 momentum_dtype=torch.bfloat16 if "m16" in rest else None, fused=fused, momentum_sync=sync,
                 delay=1 if "dl" in rest else 0)
             self.opt.check_replicas()
