@@ -34,7 +34,8 @@ def test_parse_methods_groups_and_errors():
     assert set(e2e.parse_methods("overlap")) == {m for m in e2e.DLION if "-ov" in m}
     assert e2e.label("d-mavo-1bit-ov-rt") == "D-Lion MaVo 1bit +overlap +random ties"
     assert e2e.parse_methods("baselines,g-lion") == list(e2e.BASELINES)  # no duplicates
-    assert e2e.parse_methods("powersgd") == [f"g-{o}-powersgd{r}" for o in ("lion", "adamw") for r in (1, 2, 4)]
+    assert e2e.parse_methods("powersgd") == [f"g-{o}-powersgd{r}{ov}" for ov in ("", "-ov") for o in ("lion", "adamw")
+                                             for r in (1, 2, 4)]
     with pytest.raises(ValueError):
         e2e.parse_methods("d-mavo-2bit")
 
@@ -100,6 +101,27 @@ def test_e2e_loopback_smoke(tmp_path, capsys, mode):
     assert head["fastest_peer"] in ("g-lion", "g-lion-powersgd2")
     assert head["over_compute"] == pytest.approx(mavo[head["best_mavo"]] / mean["compute"])
     assert head["criteria"]["mavo_faster_than_every_peer"] == (head["speedup_vs_fastest_peer"] > 1)
+
+
+def test_powersgd_overlapped_on_several_buckets_over_gloo(tmp_path, capsys):
+    """PyTorch's PowerSGD hook on several buckets in flight at once (one process group per
+    bucket): Gloo pairs every collective right (no abort), every bucket is compressed, and the
+    bytes are those of the one-bucket run: P and Q of every matrix plus the 1-D tensors."""
+    methods = ["g-lion-powersgd2", "g-lion-powersgd2-ov"]
+    rc = e2e.main(["--loopback", "--workers", "4", "--methods", ",".join(methods), "--steps", "3",
+                   "--warmup", "2", "--n-layer", "2", "--n-embd", "32", "--block-size", "16", "--bucket-mb", "0.02",
+                   "--synthetic", "--no-progress", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = {r["method"]: r for r in json.loads((tmp_path / "e2e_results.json").read_text())["results"]}
+    assert rows["g-lion-powersgd2"]["buckets_per_step"] == 1
+    assert rows["g-lion-powersgd2-ov"]["buckets_per_step"] >= 3
+    # counted independently: P (n×2) and Q (m×2) of every 2-D weight, every 1-D tensor whole, fp32,
+    # each all-reduced in a ring: 2(N-1)/N of its bytes
+    from dlion.lab.models import CharGPT
+    model = CharGPT(84, block_size=16, n_layer=2, n_head=4, n_embd=32)  # --synthetic: 84 symbols
+    floats = sum((p.shape[0] + p.shape[1]) * 2 if p.dim() == 2 else p.numel() for p in model.parameters())
+    for m in methods:
+        assert rows[m]["bytes_sent_per_rank_per_step"] == pytest.approx(2 * 3 / 4 * 4 * floats), m
 
 
 def test_overlap_figure_is_exposed_communication_saved():

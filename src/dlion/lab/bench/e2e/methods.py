@@ -12,7 +12,9 @@ import torch
 if TYPE_CHECKING:
     from .instrument import Instrument
 
-POWERSGD = tuple(f"g-{opt}-powersgd{r}" for opt in ("lion", "adamw") for r in (1, 2, 4))
+POWERSGD_ONE = tuple(f"g-{opt}-powersgd{r}" for opt in ("lion", "adamw") for r in (1, 2, 4))
+POWERSGD_OV = tuple(m + "-ov" for m in POWERSGD_ONE)  # several buckets, overlapped: a process group per bucket
+POWERSGD = POWERSGD_ONE + POWERSGD_OV
 BASELINES = ("compute", "sync-only", "g-adamw", "g-lion", "g-lion-bf16") + POWERSGD + ("ddp-dlion-hook",)
 DLION = tuple(f"d-{vote}-{comm}{ov}" for vote in ("mavo", "avg") for comm in ("allgather", "1bit", "pbit")
               for ov in ("", "-ov")) + ("d-mavo-quant", "d-mavo-quant-ov", "d-mavo-1bit-ov-rt", "d-mavo-1bit-ov-m16") \
@@ -63,7 +65,9 @@ GROUPS = {
 }
 LABELS = {"compute": "compute only (no comm)", "sync-only": "sync only (1 value per bucket)",
           "g-adamw": "G-AdamW (DDP fp32)", "g-lion": "G-Lion (DDP fp32)", "g-lion-bf16": "G-Lion (DDP bf16 hook)",
-          **{m: f"G-{'Lion' if 'lion' in m else 'AdamW'} (DDP PowerSGD rank {m[-1]})" for m in POWERSGD},
+          **{m: f"G-{'Lion' if 'lion' in m else 'AdamW'} (DDP PowerSGD rank {m[-1]})" for m in POWERSGD_ONE},
+          **{m: f"G-{'Lion' if 'lion' in m else 'AdamW'} (DDP PowerSGD rank {m[-4]}, overlapped)"
+             for m in POWERSGD_OV},
           "ddp-dlion-hook": "D-Lion MaVo as a DDP comm hook (allgather)"}
 POWERSGD_START_ITER = 2  # PowerSGD needs >= 2 uncompressed iterations (DDP rebuilds buckets after the first)
 POWERSGD_BUCKET_MB = 1 << 16  # one bucket for PowerSGD (see MethodRun)
@@ -134,6 +138,42 @@ def _counting(inner: Callable, tally: dict) -> Callable:
     return hook
 
 
+class PowerSGDPerBucket:
+    """PyTorch's ``powerSGD_hook`` on several DDP buckets, overlapped with backward, on Gloo.
+
+    The hook issues a bucket's first all-reduce from backward and its P and Q all-reduces
+    from completion callbacks, whose timing differs between ranks; on one process group,
+    Gloo (which pairs collectives by issue order) would pair one bucket's P with another's
+    Q. Here every bucket has its own process group and its own ``PowerSGDState`` (error
+    feedback and warm start, the defaults): on each group the ranks issue the same sequence.
+    ``PowerSGDState`` counts iterations on the last bucket only, so the shared count is
+    handed to each bucket's state before its hook runs."""
+
+    def __init__(self, model: torch.nn.Module, cap_mb: float, *, rank: int, seed: int):
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+        self._hook = powerSGD_hook.powerSGD_hook
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        # DDP's buckets close once they reach the cap: at most one more than the bytes need
+        n = int(nbytes // (cap_mb * 2**20)) + 2
+        self.states = [powerSGD_hook.PowerSGDState(
+            process_group=torch.distributed.new_group(backend="gloo"), matrix_approximation_rank=rank,
+            start_powerSGD_iter=POWERSGD_START_ITER, use_error_feedback=True, warm_start=True, random_seed=seed)
+            for _ in range(n)]
+        self.iter = 0
+
+    def __call__(self, state, bucket):  # (DDP's hook signature; `state` is None)
+        k = bucket.index()
+        if k >= len(self.states):
+            raise RuntimeError(f"DDP made bucket {k}; only {len(self.states)} process groups were created")
+        state = self.states[k]
+        state.iter = self.iter
+        fut = self._hook(state, bucket)
+        if bucket.is_last():
+            self.iter += 1
+        return fut
+
+
 def _build_model(cfg: dict, vocab_size: int):
     from dlion.lab.models import CharGPT
 
@@ -200,7 +240,7 @@ class MethodRun:
             # PowerSGD gets a single bucket: its hook issues collectives from completion callbacks, so
             # with several buckets in flight the ranks issue them in different orders, which Gloo
             # (matching collectives by issue order) aborts on ("Received data size doesn't match").
-            cap = POWERSGD_BUCKET_MB if method in POWERSGD else cfg["bucket_mb"]
+            cap = POWERSGD_BUCKET_MB if method in POWERSGD_ONE else cfg["bucket_mb"]
             self.net = DDP(model, init_sync=False, bucket_cap_mb=cap, gradient_as_bucket_view=True)
             if method == "compute":
                 hook, state = _noop_hook, None
@@ -214,12 +254,14 @@ class MethodRun:
                 hook = dlion_hook
                 state = DLionHookState(model, betas=betas, vote="mavo", ties=cfg["ties"], comm="allgather")
                 self.hook_state = state  # its comm_stats count what the hook sends (all-gathers, not all-reduces)
-            elif method in POWERSGD:  # error feedback and warm start: PowerSGDState's defaults
+            elif method in POWERSGD_ONE:  # error feedback and warm start: PowerSGDState's defaults
                 hook = powerSGD_hook.powerSGD_hook
                 state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=int(method[-1]),
                                                     start_powerSGD_iter=POWERSGD_START_ITER,
                                                     use_error_feedback=True, warm_start=True,
                                                     random_seed=cfg["seed"])
+            elif method in POWERSGD_OV:
+                hook, state = PowerSGDPerBucket(model, cap, rank=int(method[-4]), seed=cfg["seed"]), None
             else:
                 hook, state = default_hooks.allreduce_hook, None
             self.net.register_comm_hook(state, _counting(hook, self.tally))
