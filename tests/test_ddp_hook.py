@@ -34,7 +34,7 @@ def hook_worker(rank, world, vote, comm, mdtype=None):
     # the same through DDP with the hook, in several buckets
     model = make_model()
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.5)  # several buckets (the first: 1 MB)
-    state = DLionHookState(model, betas=BETAS, vote=vote, comm=comm, momentum_dtype=mdtype)
+    state = DLionHookState(model, betas=BETAS, vote=vote, comm=comm, momentum_dtype=mdtype, bucket_cap_mb=0.5)
     ddp.register_comm_hook(state, dlion_hook)
     opt2 = ApplyDelta(ddp.parameters(), lr=LR, weight_decay=WD)
     for x, y in batches(rank):
@@ -49,11 +49,15 @@ def hook_worker(rank, world, vote, comm, mdtype=None):
 
 @pytest.mark.parametrize("world, vote, comm, mdtype", [(2, "mavo", "allgather", None), (3, "mavo", "pbit", None),
                                                       (3, "avg", "allgather", None),
-                                                      (2, "mavo", "allgather", torch.bfloat16)])
+                                                      (2, "mavo", "allgather", torch.bfloat16),
+                                                      # two collectives per bucket, each bucket on its own group
+                                                      (3, "mavo", "1bit", None), (4, "mavo", "1bit", None),
+                                                      (4, "avg", "1bit", torch.bfloat16)])
 def test_ddp_hook_equals_distributed_lion_bitwise(world, vote, comm, mdtype):
     results = spawn(hook_worker, world, vote, comm, mdtype, timeout_s=60)
     for ref, hooked, m_ref, m_hook, calls, steps in results:
-        assert steps == 5 and calls > 5  # one collective per bucket, more than one bucket per step
+        # one collective per bucket (two with 1bit): one bucket in the first step, two after DDP's rebuild
+        assert steps == 5 and calls >= (2 if comm == "1bit" else 1) * (1 + 2 * 4)
         for a, b in zip(ref, hooked):
             assert torch.equal(a, b)
         for a, b in zip(m_ref, m_hook):  # each rank's own momentum, the same in both
@@ -63,9 +67,11 @@ def test_ddp_hook_equals_distributed_lion_bitwise(world, vote, comm, mdtype):
             assert torch.equal(a, b)
 
 
-def test_hook_state_rejects_two_collective_algorithms():
-    with pytest.raises(ValueError, match="comm must be one of 'allgather', 'pbit'"):
-        DLionHookState.__init__(object.__new__(DLionHookState), nn.Linear(2, 2), comm="1bit")
+def test_hook_state_rejects_unknown_algorithms_and_caps():
+    with pytest.raises(ValueError, match="comm must be one of '1bit', 'allgather', 'pbit'"):
+        DLionHookState.__init__(object.__new__(DLionHookState), nn.Linear(2, 2), comm="quantized")
+    with pytest.raises(ValueError, match="bucket_cap_mb must be > 0"):
+        DLionHookState.__init__(object.__new__(DLionHookState), nn.Linear(2, 2), bucket_cap_mb=0)
 
 
 def test_hook_state_refuses_previous_vote_ties():

@@ -19,13 +19,17 @@ roundings as :class:`dlion.DistributedLion`). Usage::
 
 What differs from :class:`dlion.DistributedLion` (all consequences of DDP's hook contract):
 
-* **One collective per bucket.** Gloo pairs collectives by the order in which they
+* **Collectives from callbacks.** Gloo pairs collectives by the order in which they
   are issued, and a hook's completion callbacks run at times that differ between
   ranks, so a second collective issued from a callback (like ``1bit``'s all-gather,
-  or PowerSGD's Q) could be paired with another bucket's. The hook therefore uses a
-  one-collective algorithm: ``comm="allgather"`` (every rank's signs as base-3 digits,
-  (N−1)·1.6 bits per parameter each way) or ``comm="pbit"`` (packed counters in one
-  SUM all-reduce). The result is the same vote.
+  or PowerSGD's Q) could be paired with another bucket's on a shared process group.
+  ``comm="1bit"`` (the default: all-to-all of the signs, each rank votes on its chunk,
+  all-gather of the codes; ~2·(N−1)/N bits per parameter each way) therefore gives
+  every DDP bucket a process group of its own, created with the state (pass DDP's
+  ``bucket_cap_mb`` so that there are enough; a few TCP connections each on Gloo).
+  The one-collective algorithms use the default group: ``comm="allgather"`` (every
+  rank's signs as base-3 digits, (N−1)·1.6 bits per parameter each way) or
+  ``comm="pbit"`` (packed counters in one SUM all-reduce). The result is the same vote.
 * **Unused parameters get zero gradients, not None**: they do not abstain; with
   g = 0 they vote sign(β1·m) (``find_unused_parameters`` does not change that).
 * **GradScaler**: the hook sees *scaled* gradients; sign(c) mixes m with a scaled g.
@@ -50,7 +54,7 @@ from ..lion import check_hyperparameters, check_momentum_dtype
 
 __all__ = ["DLionHookState", "dlion_hook", "ApplyDelta"]
 
-_HOOK_COMMS = ("allgather", "pbit")
+_HOOK_COMMS = ("1bit", "allgather", "pbit")
 
 
 class DLionHookState:
@@ -59,14 +63,16 @@ class DLionHookState:
     iteration changes nothing), the vote rule, the algorithm and a step counter."""
 
     def __init__(self, model: torch.nn.Module, betas: tuple[float, float] = (0.9, 0.99), *, vote: str = "mavo",
-                 ties: str = "zero", comm: str = "allgather", seed: int = 0, process_group=None,
-                 momentum_dtype: Optional[torch.dtype] = None):
+                 ties: str = "zero", comm: str = "1bit", seed: int = 0, process_group=None,
+                 momentum_dtype: Optional[torch.dtype] = None, bucket_cap_mb: Optional[float] = None):
         check_hyperparameters(1.0, betas, 0.0)
         check_momentum_dtype(momentum_dtype)
         self.momentum_dtype = momentum_dtype
         if comm not in _HOOK_COMMS:
-            raise ValueError(f"comm must be one of {', '.join(map(repr, _HOOK_COMMS))} for the DDP hook (one "
-                             f"collective per bucket, see dlion.integrations.ddp), got {comm!r}")
+            raise ValueError(f"comm must be one of {', '.join(map(repr, _HOOK_COMMS))} for the DDP hook "
+                             f"(see dlion.integrations.ddp), got {comm!r}")
+        if bucket_cap_mb is not None and not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
+            raise ValueError(f"bucket_cap_mb must be > 0 (DDP's), got {bucket_cap_mb!r}")
         if ties == "previous":
             raise ValueError("ties='previous' is implemented in DistributedLion (and SimulatedDistributedLion) only; "
                              "the DDP communication hook supports ties='zero' and 'random'.")
@@ -83,6 +89,23 @@ class DLionHookState:
         self.skipped_buckets = 0
         self.comm_stats = CommStats()
         self.transport = GroupTransport(process_group, self.comm_stats)
+        self.transports: list[GroupTransport] = []  # comm="1bit": one process group per DDP bucket
+        self.wires: dict = {}  # per bucket index: the wire formats every rank agreed on
+        if comm == "1bit":
+            cap = bucket_cap_mb or 25.0  # DDP's default; its first bucket is smaller (1 MiB): one more
+            nbytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+            ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+            self.transports = [GroupTransport(dist.new_group(ranks), self.comm_stats)
+                               for _ in range(int(nbytes // (cap * 2**20)) + 3)]
+
+    def _transport(self, index: int) -> GroupTransport:
+        if not self.transports:
+            return self.transport
+        if index >= len(self.transports):
+            raise RuntimeError(
+                f"dlion_hook: DDP made bucket {index} but the state has process groups for {len(self.transports)}; "
+                "pass DLionHookState(..., bucket_cap_mb=) the bucket_cap_mb you gave DistributedDataParallel")
+        return self.transports[index]
 
     def _momentum(self, p: Tensor) -> Tensor:
         i = self.index[p]
@@ -124,18 +147,26 @@ def dlion_hook(state: DLionHookState, bucket) -> torch.futures.Future[torch.Tens
             state._momentum(p).copy_(m[off:off + k].view(p.shape))
             off += k
     contrib = Contribution(values, n, torch.ones(len(params), dtype=torch.bool), 0 if finite else 2, 0)
-    # A fresh wire state each call: the base-3 / wide formats never need a second collective.
-    wire = WireState(up="ternary" if state.comm == "allgather" else "wide")
+    if state.comm == "1bit":  # this bucket's own group: its later collectives may be issued from the callback
+        wire = state.wires.setdefault(bucket.index(), WireState())
+    else:  # a fresh wire state each call: the base-3 / wide formats never need a second collective
+        wire = WireState(up="ternary" if state.comm == "allgather" else "wide")
+    transport = state._transport(bucket.index())
     gen = state.algorithm.run(wire, contrib, state.rank, coin_key(state.seed, state.steps, bucket.index()))
     kind, send, label = next(gen)
-    work, out = state.transport.issue(kind, send, label)
+    work, out = transport.issue(kind, send, label)
     if bucket.is_last():
         state.steps += 1
 
     def decide(fut) -> Tensor:
+        received = out
         try:
-            gen.send(out)
-            raise RuntimeError("dlion_hook: the algorithm asked for a second collective")
+            while True:
+                kind, send, label = gen.send(received)
+                if transport is state.transport:
+                    raise RuntimeError("dlion_hook: the algorithm asked for a second collective on the shared group")
+                later, received = transport.issue(kind, send, label)
+                later.wait()
         except StopIteration as stop:
             outcome = stop.value
         if outcome.codes is None:  # inf/NaN on some rank: this bucket does not move anywhere

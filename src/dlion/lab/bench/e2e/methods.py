@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 POWERSGD_ONE = tuple(f"g-{opt}-powersgd{r}" for opt in ("lion", "adamw") for r in (1, 2, 4))
 POWERSGD_OV = tuple(m + "-ov" for m in POWERSGD_ONE)  # several buckets, overlapped: a process group per bucket
 POWERSGD = POWERSGD_ONE + POWERSGD_OV
-BASELINES = ("compute", "sync-only", "g-adamw", "g-lion", "g-lion-bf16") + POWERSGD + ("ddp-dlion-hook",)
+DDP_HOOKS = ("ddp-dlion-hook", "ddp-dlion-hook-1bit")  # D-Lion MaVo inside DDP (dlion.integrations.ddp)
+BASELINES = ("compute", "sync-only", "g-adamw", "g-lion", "g-lion-bf16") + POWERSGD + DDP_HOOKS
 DLION = tuple(f"d-{vote}-{comm}{ov}" for vote in ("mavo", "avg") for comm in ("allgather", "1bit", "pbit")
               for ov in ("", "-ov")) + ("d-mavo-quant", "d-mavo-quant-ov", "d-mavo-1bit-ov-rt", "d-mavo-1bit-ov-m16") \
     + ("d-mavo-1bit-1b", "d-mavo-1bit-rt-1b", "d-avg-1bit-1b") \
@@ -68,7 +69,8 @@ LABELS = {"compute": "compute only (no comm)", "sync-only": "sync only (1 value 
           **{m: f"G-{'Lion' if 'lion' in m else 'AdamW'} (DDP PowerSGD rank {m[-1]})" for m in POWERSGD_ONE},
           **{m: f"G-{'Lion' if 'lion' in m else 'AdamW'} (DDP PowerSGD rank {m[-4]}, overlapped)"
              for m in POWERSGD_OV},
-          "ddp-dlion-hook": "D-Lion MaVo as a DDP comm hook (allgather)"}
+          "ddp-dlion-hook": "D-Lion MaVo as a DDP comm hook (allgather)",
+          "ddp-dlion-hook-1bit": "D-Lion MaVo as a DDP comm hook (1bit)"}
 POWERSGD_START_ITER = 2  # PowerSGD needs >= 2 uncompressed iterations (DDP rebuilds buckets after the first)
 POWERSGD_BUCKET_MB = 1 << 16  # one bucket for PowerSGD (see MethodRun)
 FIRST_BUCKET_MB = 2.0  # -fb methods: on CharGPT the one block-5 MLP matrix, like DDP's 1 MiB first bucket (which closes
@@ -248,11 +250,12 @@ class MethodRun:
                 hook, state = _sync_only_hook, None
             elif method == "g-lion-bf16":
                 hook, state = default_hooks.bf16_compress_hook, None
-            elif method == "ddp-dlion-hook":
+            elif method in DDP_HOOKS:
                 from dlion.integrations.ddp import DLionHookState, dlion_hook
 
                 hook = dlion_hook
-                state = DLionHookState(model, betas=betas, vote="mavo", ties=cfg["ties"], comm="allgather")
+                state = DLionHookState(model, betas=betas, vote="mavo", ties=cfg["ties"], bucket_cap_mb=cap,
+                                       comm="1bit" if method.endswith("-1bit") else "allgather")
                 self.hook_state = state  # its comm_stats count what the hook sends (all-gathers, not all-reduces)
             elif method in POWERSGD_ONE:  # error feedback and warm start: PowerSGDState's defaults
                 hook = powerSGD_hook.powerSGD_hook
@@ -265,7 +268,7 @@ class MethodRun:
             else:
                 hook, state = default_hooks.allreduce_hook, None
             self.net.register_comm_hook(state, _counting(hook, self.tally))
-            if method == "ddp-dlion-hook":
+            if method in DDP_HOOKS:
                 from dlion.integrations.ddp import ApplyDelta
 
                 self.opt = ApplyDelta(model.parameters(), lr=lr, weight_decay=wd)
@@ -392,7 +395,7 @@ class MethodRun:
         inst, m = self.inst, self.method
         if self.is_ddp:
             sent = received = inst.bytes_sent.get(m, 0.0) / steps
-            if m == "ddp-dlion-hook":
+            if m in DDP_HOOKS:
                 sent = (self._end[0] - self._start[0][0]) / steps
                 received = (self._end[1] - self._start[0][1]) / steps
             t0 = self._start[1]

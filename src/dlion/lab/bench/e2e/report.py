@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .methods import BASELINES, label
+from .methods import BASELINES, DDP_HOOKS, label
 
 
 def summarize(per_rank: list[dict]) -> dict:
@@ -113,8 +113,8 @@ def headline(rows: dict) -> Optional[dict]:
     """The fastest method overall, and the best D-Lion MaVo method against the fastest peer
     (every DDP method that communicates), compute-only and sync-only, at one link rate; on
     :func:`step_ms` (``statistic`` says which)."""
-    mavo = {m: r for m, r in rows.items() if m.startswith("d-mavo")}
-    peers = {m: r for m, r in rows.items() if m in BASELINES and m not in ("compute", "sync-only", "ddp-dlion-hook")}
+    mavo = {m: r for m, r in rows.items() if m.startswith("d-mavo") or m in DDP_HOOKS}
+    peers = {m: r for m, r in rows.items() if m in BASELINES and m not in ("compute", "sync-only") + DDP_HOOKS}
     if not mavo or "compute" not in rows:
         return None
     ms = {m: step_ms(r) for m, r in rows.items() if m not in ("compute", "sync-only")}
@@ -201,8 +201,9 @@ def plot(results: list[dict], methods: list[str], path: str, title: str, nodes: 
             if m == "compute":
                 style = dict(color="black", ls="--", lw=2)
             elif m in BASELINES:
-                key = m.split("-")[-1] if "powersgd" in m else m
-                style = dict(color=colors.get(key, "tab:gray"), ls=":" if m == "sync-only" else "-", lw=2,
+                key = next((p for p in m.split("-") if p.startswith("powersgd")), m)
+                style = dict(color=colors.get(key, "tab:gray"),
+                             ls=":" if m == "sync-only" else "--" if m.endswith("-ov") else "-", lw=2,
                              marker="o" if "adamw" not in m else "s")
             elif m.startswith("h-"):  # hierarchical D-Lion: solid, diamonds
                 parts = m.split("-")
