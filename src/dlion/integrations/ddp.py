@@ -41,12 +41,14 @@ What differs from :class:`dlion.DistributedLion` (all consequences of DDP's hook
   ``state.state_dict()`` / ``load_state_dict`` next to the optimizer's.
 """
 
+import itertools
 from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import kernels
 from ..aggregation import VoteRule, coin_key
 from ..algorithms import Contribution, WireState, make_algorithm, padded_length
 from ..collectives import CommStats, GroupTransport
@@ -127,11 +129,8 @@ class DLionHookState:
         self.comm_stats.load_state_dict(sd["comm_stats"])
 
 
-def dlion_hook(state: DLionHookState, bucket) -> torch.futures.Future[torch.Tensor]:
-    """The DDP communication hook: this rank's Lion signs of the bucket in, the vote Δ out."""
-    grad = bucket.buffer()
-    params = bucket.parameters()
-    n = grad.numel()
+def _eager_contribution(state: DLionHookState, grad: Tensor, params: list, n: int) -> Contribution:
+    """sign(β1·m + (1 − β1)·g) of the bucket and the momentum update, in torch ops."""
     beta1, beta2 = state.betas
     with torch.no_grad():
         g = grad.float()
@@ -146,7 +145,35 @@ def dlion_hook(state: DLionHookState, bucket) -> torch.futures.Future[torch.Tens
             k = p.numel()
             state._momentum(p).copy_(m[off:off + k].view(p.shape))
             off += k
-    contrib = Contribution(values, n, torch.ones(len(params), dtype=torch.bool), 0 if finite else 2, 0)
+    return Contribution(values, n, torch.ones(len(params), dtype=torch.bool), 0 if finite else 2, 0)
+
+
+def _native_contribution(state: DLionHookState, grad: Tensor, params: list, n: int) -> Optional[Contribution]:
+    """The same from the native loops (:mod:`dlion.kernels`, the same roundings): c's signs, the
+    1-bit payload and the momentum update straight from DDP's flat bucket and the per-parameter
+    momenta, two passes and no copy. None where they do not apply (bf16 momenta, not fp32 CPU)."""
+    sizes = [p.numel() for p in params]
+    if not (n and sum(sizes) == n and grad.dtype == torch.float32 and state.momentum_dtype in (None, torch.float32)
+            and kernels.supported(grad) and kernels.available()):
+        return None
+    beta1, beta2 = state.betas
+    ms = [state._momentum(p).view(-1) for p in params]
+    gs = list(torch.split(grad, sizes))  # views of the bucket, in the order of bucket.parameters()
+    offsets = [0, *itertools.accumulate(sizes)][:-1]
+    values = torch.empty(padded_length(n, state.world), dtype=torch.int8)
+    with torch.no_grad():
+        finite, packed, zeros = kernels.sign_and_pack(ms, gs, offsets, beta1, 1.0 - beta1, values, n)
+        kernels.momentum_update_(ms, gs, beta2, 1.0 - beta2)
+    return Contribution(values, n, torch.ones(len(params), dtype=torch.bool), 0 if finite else 2, 0,
+                        packed=packed, zeros=zeros)
+
+
+def dlion_hook(state: DLionHookState, bucket) -> torch.futures.Future[torch.Tensor]:
+    """The DDP communication hook: this rank's Lion signs of the bucket in, the vote Δ out."""
+    grad = bucket.buffer()
+    params = bucket.parameters()
+    n = grad.numel()
+    contrib = _native_contribution(state, grad, params, n) or _eager_contribution(state, grad, params, n)
     if state.comm == "1bit":  # this bucket's own group: its later collectives may be issued from the callback
         wire = state.wires.setdefault(bucket.index(), WireState())
     else:  # a fresh wire state each call: the base-3 / wide formats never need a second collective
