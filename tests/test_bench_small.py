@@ -64,6 +64,8 @@ def test_timeline_summary_pools_ranks_and_measures_the_span_of_each_step():
     assert s["collectives_per_step"] == 2 and s["bytes_issued_per_step_rank0"] == 140
     assert abs(s["first_issue_ms_mean"] - 20.0) < 1e-9 and abs(s["last_done_ms_mean"] - 110.0) < 1e-9
     assert s["training_thread_cpu_ms_per_step"] == 7.0
+    # the tail: last end of step() minus the last end of backward (rank 1's 10.05 + 0.05, then 11.02 + 0.05)
+    assert abs(s["tail_ms_mean"] - 1e3 * ((10.30 - 10.10) + (11.12 - 11.07)) / 2) < 1e-9
 
 
 def test_wire_bench_on_loopback_counts_one_bit_each_way_idle_and_busy(tmp_path, capsys):

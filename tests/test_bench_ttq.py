@@ -207,3 +207,40 @@ def test_across_seeds_names_a_file_it_cannot_read(tmp_path):
     for path in (str(tmp_path / "missing.json"), str(bad)):
         with pytest.raises(SystemExit, match=f"cannot read {path}"):
             ttq.main(["--across", path, path, "--out", str(tmp_path / "out")])
+
+
+def test_step_times_of_other_ties_are_refused_only_where_a_method_takes_the_ties_flag(tmp_path):
+    cfg = {k: 1 for k in ttq.MODEL_KEYS}
+    doc = {"config": dict(cfg, ties="random"), "workers": 4,
+           "results": [{"method": "g-lion", "link": "50mbit", "ms_per_step": 100.0, "ms_mean": 130.0}]}
+    path = tmp_path / "e2e_results.json"
+    path.write_text(json.dumps(doc))
+    for methods in (["g-lion", "d-mavo-1bit-ov-rt", "g-adamw-powersgd4"], []):
+        assert ttq._step_times(str(path), dict(cfg, methods=methods), 4)[0] == {"g-lion": {"50mbit": 130.0}}
+    for methods in (["g-lion", "d-mavo-1bit-ov"], ["ddp-dlion-hook-1bit"]):  # these tie as --ties says
+        with pytest.raises(SystemExit, match="another workload"):
+            ttq._step_times(str(path), dict(cfg, methods=methods), 4)
+
+
+def test_a_borrowed_curve_is_composed_with_the_borrowers_step_times(tmp_path, capsys):
+    cfg = {**{k: 1 for k in ttq.MODEL_KEYS}, "methods": ["g-lion", "g-adamw-powersgd4"], "steps": 100}
+    stored = {"config": cfg, "workers": 4, "runs": {},
+              "curves": {"g-lion": [[50, 3.0], [100, 2.0]], "g-adamw-powersgd4": [[50, 1.9], [100, 1.8]]}}
+    (tmp_path / "curves.json").write_text(json.dumps(stored))
+    rows = [{"method": m, "link": "50mbit", "ms_per_step": ms, "ms_mean": ms, "params": 10}
+            for m, ms in (("g-lion", 1000.0), ("g-adamw-powersgd4", 400.0), ("g-adamw-powersgd4-ov", 300.0))]
+    (tmp_path / "e2e.json").write_text(json.dumps({"config": cfg, "workers": 4, "results": rows}))
+    args = ["--curves", str(tmp_path / "curves.json"), "--step-times", str(tmp_path / "e2e.json"),
+            "--target", "2.0", "--no-progress", "--out", str(tmp_path / "out")]
+    assert ttq.main(args + ["--borrow-curve", "g-adamw-powersgd4-ov=g-adamw-powersgd4"]) == 0
+    doc = json.loads((tmp_path / "out" / "ttq_results.json").read_text())
+    got = doc["composed"]["methods"]
+    assert got["g-adamw-powersgd4"]["time_to_target_s"] == {"50mbit": 50 * 0.4}
+    assert got["g-adamw-powersgd4-ov"]["time_to_target_s"] == {"50mbit": 50 * 0.3}
+    assert got["g-lion"]["time_to_target_s"] == {"50mbit": 100 * 1.0}
+    assert doc["borrowed_curves"] == {"g-adamw-powersgd4-ov": "g-adamw-powersgd4"}
+    assert doc["composed"]["speedups"]["50mbit"]["best_powersgd"] == "g-adamw-powersgd4-ov"
+    assert "the curve of g-adamw-powersgd4 (borrowed)" in capsys.readouterr().out
+    for bad in ("g-adamw-powersgd4-ov=g-adamw-powersgd2", "g-lion=g-adamw-powersgd4", "nonsense=g-lion"):
+        with pytest.raises(SystemExit):
+            ttq.main(args + ["--borrow-curve", bad])

@@ -158,6 +158,9 @@ def summarize(per_rank: list[dict], cores: int) -> dict:
     # perf_counter is CLOCK_MONOTONIC, one clock for every process of this machine: the span of a
     # step runs from the first rank's zero_grad to the last rank's return from step()
     span = [max(x["t0"] + x["step"] for x in st) - min(x["t0"] for x in st) for st in steps]
+    # the tail: from the last rank's end of backward to the last rank's return from step(), what
+    # no overlap with backward hid (the slowest rank's last gradients exist only from then on)
+    tail = [max(x["t0"] + x["step"] for x in st) - max(x["t0"] + x["bwd_end"] for x in st) for st in steps]
     sys_ = [sum(x["sys"] for x in st) for st in steps]
     firsts = [min(e["issue"] for e in s["events"]) for r in per_rank for s in r["steps"] if s["events"]]
     lasts = [max(e.get("done", e["issue"]) for e in s["events"]) for r in per_rank for s in r["steps"] if s["events"]]
@@ -168,6 +171,7 @@ def summarize(per_rank: list[dict], cores: int) -> dict:
     out["cpu_floor_ms"] = out["cpu_ms_per_step_all_ranks"] / cores
     out["step_over_floor"] = out["step_ms_mean"] / out["cpu_floor_ms"]
     out["span_ms_mean"] = 1e3 * statistics.mean(span)
+    out["tail_ms_mean"] = 1e3 * statistics.mean(tail)
     out["cpu_busy"] = statistics.mean(c / (cores * w) for c, w in zip(cpu, span))
     if firsts:
         out["first_issue_ms_mean"] = 1e3 * statistics.mean(firsts)
@@ -296,7 +300,7 @@ def report(doc: dict) -> None:
     print(f"dlion bench timeline: {doc['workers']} ranks on {doc['cores']} shared cores, CharGPT, "
           f"{doc['config']['steps']} measured steps per method")
     head = (f"{'link':<8} {'method':<22} {'step ms':>8} {'CPU ms':>8} {'floor ms':>9} {'step/floor':>10} "
-            f"{'span ms':>8} {'CPU busy':>8} {'sys ms':>7} {'1st coll.':>9} {'last done':>9}")
+            f"{'span ms':>8} {'CPU busy':>8} {'sys ms':>7} {'1st coll.':>9} {'last done':>9} {'tail ms':>8}")
     print(head)
     print("-" * len(head))
     for link in doc["links"]:
@@ -304,12 +308,14 @@ def report(doc: dict) -> None:
             s = doc["summary"][link][m]
             first = f"{s['first_issue_ms_mean']:.0f}" if "first_issue_ms_mean" in s else "-"
             last = f"{s['last_done_ms_mean']:.0f}" if "last_done_ms_mean" in s else "-"
+            tail = f"{s['tail_ms_mean']:.0f}" if "tail_ms_mean" in s else "-"  # (files written before it)
             print(f"{link:<8} {m:<22} {s['step_ms_mean']:>8.0f} {s['cpu_ms_per_step_all_ranks']:>8.0f} "
                   f"{s['cpu_floor_ms']:>9.0f} {s['step_over_floor']:>10.2f} {s['span_ms_mean']:>8.0f} "
                   f"{100 * s['cpu_busy']:>7.0f}% {s['sys_ms_per_step_all_ranks']:>7.0f} "
-                  f"{first:>9} {last:>9}")
+                  f"{first:>9} {last:>9} {tail:>8}")
     print("CPU ms: all ranks' process CPU time in a step (every thread); floor: that / cores; span: first rank's "
-          "start to last rank's end of a step; CPU busy: CPU ms / (cores × span), the machine's load in the step")
+          "start to last rank's end of a step; CPU busy: CPU ms / (cores × span), the machine's load in the step; "
+          "tail: from the last rank's end of backward to the last rank's end of step()")
     link = doc["links"][0]
     for m in doc["methods"]:
         s = doc["summary"][link][m]

@@ -300,6 +300,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--across", nargs="+", default=None, metavar="TTQ_RESULTS",
                     help="summarize composed results of several seeds (same workload, --target and --step-times): "
                          "time to L per seed, means, who is first (writes ttq_seeds.* to --out; no training)")
+    ap.add_argument("--borrow-curve", action="append", default=[], metavar="METHOD=FROM",
+                    help="compose METHOD (with its own step times) from FROM's curve, e.g. "
+                         "g-adamw-powersgd4-ov=g-adamw-powersgd4: PowerSGD compresses each tensor whatever the "
+                         "bucketing, only the random starting Q of each matrix differs (repeatable; the output "
+                         "says which curves are borrowed)")
     ap.add_argument("--check-link", default=None, help="also train --check-methods end to end at this rate")
     ap.add_argument("--check-methods", default="d-mavo-1bit-ov,g-lion-powersgd2")
     ap.add_argument("--check-steps", type=int, default=100)
@@ -310,13 +315,21 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _takes_ties(method: str) -> bool:
+    """Whether ``method`` ties as ``--ties`` says (D-Lion without -rt / -pt, and the DDP hook)."""
+    parts = method.split("-")
+    return (method.startswith(("d-", "h-")) and not {"rt", "pt"} & set(parts[3:])) or method.startswith("ddp-dlion")
+
+
 def _step_times(path: str, cfg: dict, workers: int) -> tuple[dict, str]:
     """(method -> {link: ms per step}, "mean" or "median") from an e2e result, refusing one of
     another workload. The mean where the result has it (a run's time is the sum of its steps)."""
     with open(path) as f:
         doc = json.load(f)
     other = doc["config"]
-    diff = [k for k in MODEL_KEYS if k in other and other[k] != cfg[k]]
+    # --ties matters only to the methods that take it (not to -rt / -pt methods, nor to DDP's)
+    ties_matter = any(_takes_ties(m) for m in cfg.get("methods", ()))
+    diff = [k for k in MODEL_KEYS if k in other and other[k] != cfg[k] and (k != "ties" or ties_matter)]
     if diff or doc["workers"] != workers:
         raise SystemExit(f"dlion bench ttq: {path} was measured with another workload "
                          f"({', '.join(f'{k}={other[k]!r}' for k in diff) or 'workers=' + str(doc['workers'])}); "
@@ -401,18 +414,33 @@ def main(argv: list[str]) -> int:
             cfg["methods"] = list(curves)
     if bar is not None:
         bar.close()
+    from .e2e.methods import is_method
+
+    borrowed = {}
+    for item in args.borrow_curve:
+        method, _, source = item.partition("=")
+        if source not in curves:
+            ap.error(f"--borrow-curve {item}: no curve of {source!r} (curves: {', '.join(curves)})")
+        if method in curves or not is_method(method):
+            ap.error(f"--borrow-curve {item}: {method!r} " + ("has its own curve" if method in curves
+                                                              else "is not a method"))
+        curves[method] = curves[source]
+        borrowed[method] = source
     links = sorted({k for m in step_ms.values() for k in m}, key=_rate_key)
     comp = compose(curves, step_ms, target=args.target)
     comp["target_is_reference"] = args.target is None
     doc = {"benchmark": "dlion bench ttq", "config": cfg, "workers": args.workers, "curves": curves,
            "runs": extra, "step_times_ms": step_ms, "step_times_from": os.path.basename(args.step_times or ""),
-           "step_time_statistic": step_stat,
+           "step_time_statistic": step_stat, "borrowed_curves": borrowed,
            "composed": comp, "elapsed_s": time.time() - t0}
     if args.check_link:
         doc["check"] = _check(args, cfg, step_ms)
     text = table(comp, links)
     if step_stat:
         text = f"times: steps × the {step_stat} step time of {os.path.basename(args.step_times)}\n" + text
+    if borrowed:
+        text += "\n" + "\n".join(f"{m}: the curve of {src} (borrowed), with {m}'s step times"
+                                  for m, src in borrowed.items())
     if state_text(extra):
         text += "\n\n" + state_text(extra)
     if "check" in doc:
