@@ -33,7 +33,7 @@ def hier_from_cfg(params, mesh, cfg):
         comm=cfg.get("comm", "1bit"), momentum_sync=cfg.get("momentum_sync", "none"),
         aggregate=cfg.get("aggregate", "sign"), quant_norm=cfg.get("quant_norm", "l1"),
         quant_bits=cfg.get("quant_bits", 8), bucket_cap_mb=cfg.get("bucket_cap_mb", 25.0), seed=5,
-        momentum_dtype=cfg.get("momentum_dtype"))
+        momentum_dtype=cfg.get("momentum_dtype"), fused=cfg.get("fused", False))
 
 
 def hier_worker(rank, world, shape, configs):
@@ -137,6 +137,9 @@ CONFIGS = [
     dict(vote="mavo", comm="auto", momentum_sync=2),
     dict(vote="mavo", aggregate="quantized", quant_bits=4, bucket_cap_mb=300 * 4 / 2**20),
     dict(vote="mavo", momentum_dtype=torch.bfloat16, momentum_sync=3),
+    # the native loops on each rank's slice (fp32 and fp64 buckets; abstentions; the packed 1-bit payload)
+    dict(vote="mavo", ties="random", fused=True),
+    dict(vote="avg", dense=True, fused=True),
 ]
 
 

@@ -121,7 +121,7 @@ class HierarchicalDistributedLion(Lion):
             ranks of a node, if unnamed). ``None``: built from torchrun's
             ``LOCAL_WORLD_SIZE`` (:func:`node_mesh`).
         vote, ties, comm, aggregate, quant_norm, quant_bits, momentum_sync, bucket_cap_mb,
-        seed, check_every, nonfinite, maximize, foreach, momentum_dtype: as for :class:`dlion.DistributedLion`,
+        seed, check_every, nonfinite, maximize, foreach, momentum_dtype, fused: as for :class:`dlion.DistributedLion`,
             with the *nodes* as the voters (N = number of nodes): ``momentum_sync``
             averages the node momenta across nodes; quantised aggregation scales each
             parameter's piece of a slice on its own.
@@ -152,6 +152,7 @@ class HierarchicalDistributedLion(Lion):
         maximize: bool = False,
         foreach: Optional[bool] = None,
         momentum_dtype: Optional[torch.dtype] = None,
+        fused: bool = False,
     ):
         check_options(comm, aggregate, vote, quant_norm, quant_bits, momentum_sync, bucket_cap_mb,
                       check_every, nonfinite, None)
@@ -160,7 +161,8 @@ class HierarchicalDistributedLion(Lion):
                              "HierarchicalDistributedLion supports ties='zero' and 'random'.")
         params = reject_unsupported(params)
         super().__init__(params, lr, betas, weight_decay, maximize=maximize, foreach=foreach,
-                         momentum_dtype=momentum_dtype)
+                         momentum_dtype=momentum_dtype, fused=fused)
+        self.fused = bool(fused)
         self._params = [p for g in self.param_groups for p in g["params"]]
         distributed = dist.is_available() and dist.is_initialized()
         if distributed and mesh is None and dist.get_world_size() > 1:
@@ -420,6 +422,7 @@ class HierarchicalDistributedLion(Lion):
         present = [node_has[i] for i in s.owner]
         if status & BAD:
             sbuf.values.zero_()
+            sbuf.packed = sbuf.zeros = None  # (no stale payload of an earlier step)
             present = [False] * len(present)
         else:
             mean = recv[:S]
@@ -428,10 +431,11 @@ class HierarchicalDistributedLion(Lion):
             quant = (self.quant_levels, self.quant_norm) if self.aggregate == "quantized" else None
             grads = [v if ok else None for v, ok in zip(s.views(mean), present)]
             _, present, finite = contribute(s, sbuf, grads, self._scratch, beta1=group["betas"][0],
-                                            maximize=group["maximize"], quant=quant)
+                                            maximize=group["maximize"], quant=quant, fused=self.fused)
             if not finite:
                 status |= NONFINITE
-        return Contribution(sbuf.values, s.numel, torch.tensor(node_has, dtype=torch.bool), status, digest), present
+        return Contribution(sbuf.values, s.numel, torch.tensor(node_has, dtype=torch.bool), status, digest,
+                            packed=sbuf.packed, zeros=sbuf.zeros), present
 
     def _pack(self, k: int, o: Outcome) -> Tensor:
         """This slice's codes (int8; int16 beyond 127 nodes) and the vote's flags, for the all-gather."""
@@ -511,7 +515,8 @@ class HierarchicalDistributedLion(Lion):
                 if a:
                     self.state[p]["step"] += 1
         if any(present):
-            update_momentum(self._slices[k], self._sbufs[k], present, group["betas"][1], self._scratch)
+            update_momentum(self._slices[k], self._sbufs[k], present, group["betas"][1], self._scratch,
+                            fused=self.fused)
 
     def _check_frozen(self) -> None:
         for p in self._frozen:

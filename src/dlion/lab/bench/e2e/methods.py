@@ -284,7 +284,7 @@ class MethodRun:
             self.net = model
             self.opt = _hier_class()(model.parameters(), lr=lr, betas=betas, weight_decay=wd, vote=vote,
                                      ties=cfg["ties"], comm=comm, bucket_cap_mb=cfg["bucket_mb"],
-                                     mesh=_node_mesh(cfg["per_node"]))
+                                     mesh=_node_mesh(cfg["per_node"]), fused=fused)
             self.opt.check_replicas()
         else:
             base, sync = split_momentum_sync(method)
