@@ -90,6 +90,11 @@ class LeftOut:
             self.skip, self.kept = ~has_grad, self.bucket.ranges(has_grad.tolist())
 
 
+def bucket_caps(cap_mb) -> list:
+    """``bucket_cap_mb`` as a list of caps: a number is a list of one."""
+    return list(cap_mb) if isinstance(cap_mb, (list, tuple)) else [cap_mb]
+
+
 def layout_buckets(params: list[Tensor], groups: list[dict], world: int, cap_mb, *,
                    trainable_only: bool = True) -> list[Bucket]:
     """Buckets of the ``params`` (``groups[i]`` is param i's group; only those with
@@ -98,7 +103,7 @@ def layout_buckets(params: list[Tensor], groups: list[dict], world: int, cap_mb,
     (like DDP's ``bucket_cap_mb_list``) gives the caps of the first, second, … bucket of each
     (group, device, dtype), its last entry repeating: ``[1, 6]`` is a small first bucket, so that
     the first collective leaves early in backward (DDP's ``first_bucket_bytes_cap``)."""
-    caps = [max(1, int(c * 2**20 / 4)) for c in (cap_mb if isinstance(cap_mb, (list, tuple)) else [cap_mb])]
+    caps = [max(1, int(c * 2**20 / 4)) for c in bucket_caps(cap_mb)]
     buckets: list[Bucket] = []
     pending: dict = {}
     closed: dict = {}

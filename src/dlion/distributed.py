@@ -55,8 +55,8 @@ from torch.profiler import record_function
 from .aggregation import VoteRule, coin_key
 from .algorithms import (ALGORITHMS, BAD, NONFINITE, Contribution, Outcome, WireState, choose_algorithm,
                          make_algorithm, run_compacted)
-from .buckets import (Bucket, LeftOut, RankBuffers, Scratch, apply_codes, apply_signs, contribute, layout_buckets,
-                      rebind_groups, update_momentum)
+from .buckets import (Bucket, LeftOut, RankBuffers, Scratch, apply_codes, apply_signs, bucket_caps, contribute,
+                      layout_buckets, rebind_groups, update_momentum)
 from .collectives import CommStats, GroupTransport
 from .pipeline import Flight, Pipeline
 from .lion import Lion, param_tensors, check_grad
@@ -869,7 +869,7 @@ def check_options(comm, aggregate, vote, quant_norm, quant_bits, momentum_sync, 
     if not (momentum_sync in ("none", "doubling") or (isinstance(momentum_sync, int)
                                                      and not isinstance(momentum_sync, bool) and momentum_sync > 0)):
         raise ValueError(f"momentum_sync must be 'none', 'doubling' or a positive int K, got {momentum_sync!r}")
-    caps = list(bucket_cap_mb) if isinstance(bucket_cap_mb, (list, tuple)) else [bucket_cap_mb]
+    caps = bucket_caps(bucket_cap_mb)
     if not caps or not all(isinstance(c, (int, float)) and not isinstance(c, bool) and c > 0 for c in caps):
         raise ValueError(f"bucket_cap_mb must be > 0, or a non-empty list of caps > 0, got {bucket_cap_mb!r}")
     if not isinstance(check_every, int) or check_every < 0:

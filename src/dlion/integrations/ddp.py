@@ -54,9 +54,22 @@ from ..algorithms import Contribution, WireState, make_algorithm, padded_length
 from ..collectives import CommStats, GroupTransport
 from ..lion import check_hyperparameters, check_momentum_dtype
 
-__all__ = ["DLionHookState", "dlion_hook", "ApplyDelta"]
+__all__ = ["DLionHookState", "dlion_hook", "ApplyDelta", "per_bucket_groups"]
 
 _HOOK_COMMS = ("1bit", "allgather", "pbit")
+
+
+def per_bucket_groups(model: torch.nn.Module, bucket_cap_mb: Optional[float] = None, process_group=None) -> list:
+    """A new process group (of ``process_group``'s ranks) for every bucket DDP can make of
+    ``model`` with ``bucket_cap_mb`` (DDP's default 25 if None): a hook whose later collectives
+    are issued from completion callbacks puts bucket k's on group k, so that each group sees the
+    same sequence on every rank. Every rank of the default group must call it (``new_group``).
+    DDP's buckets close once they reach the cap, and its default first bucket is smaller
+    (1 MiB): at most two more buckets than the bytes need."""
+    cap = bucket_cap_mb or 25.0
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+    return [dist.new_group(ranks) for _ in range(int(nbytes // (cap * 2**20)) + 3)]
 
 
 class DLionHookState:
@@ -94,11 +107,8 @@ class DLionHookState:
         self.transports: list[GroupTransport] = []  # comm="1bit": one process group per DDP bucket
         self.wires: dict = {}  # per bucket index: the wire formats every rank agreed on
         if comm == "1bit":
-            cap = bucket_cap_mb or 25.0  # DDP's default; its first bucket is smaller (1 MiB): one more
-            nbytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-            ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-            self.transports = [GroupTransport(dist.new_group(ranks), self.comm_stats)
-                               for _ in range(int(nbytes // (cap * 2**20)) + 3)]
+            self.transports = [GroupTransport(g, self.comm_stats)
+                               for g in per_bucket_groups(model, bucket_cap_mb, process_group)]
 
     def _transport(self, index: int) -> GroupTransport:
         if not self.transports:

@@ -154,14 +154,12 @@ class PowerSGDPerBucket:
     def __init__(self, model: torch.nn.Module, cap_mb: float, *, rank: int, seed: int):
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
+        from dlion.integrations.ddp import per_bucket_groups
+
         self._hook = powerSGD_hook.powerSGD_hook
-        nbytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        # DDP's buckets close once they reach the cap: at most one more than the bytes need
-        n = int(nbytes // (cap_mb * 2**20)) + 2
         self.states = [powerSGD_hook.PowerSGDState(
-            process_group=torch.distributed.new_group(backend="gloo"), matrix_approximation_rank=rank,
-            start_powerSGD_iter=POWERSGD_START_ITER, use_error_feedback=True, warm_start=True, random_seed=seed)
-            for _ in range(n)]
+            process_group=g, matrix_approximation_rank=rank, start_powerSGD_iter=POWERSGD_START_ITER,
+            use_error_feedback=True, warm_start=True, random_seed=seed) for g in per_bucket_groups(model, cap_mb)]
         self.iter = 0
 
     def __call__(self, state, bucket):  # (DDP's hook signature; `state` is None)
@@ -239,9 +237,10 @@ class MethodRun:
         self.is_ddp = method in BASELINES
         if self.is_ddp:
             # gradient_as_bucket_view: no copy between gradients and buckets (DDP's fastest setting).
-            # PowerSGD gets a single bucket: its hook issues collectives from completion callbacks, so
-            # with several buckets in flight the ranks issue them in different orders, which Gloo
-            # (matching collectives by issue order) aborts on ("Received data size doesn't match").
+            # PowerSGD on one process group gets a single bucket: its hook issues collectives from
+            # completion callbacks, so with several buckets in flight the ranks issue them in different
+            # orders, which Gloo (matching collectives by issue order) aborts on ("Received data size
+            # doesn't match"). The -ov methods give each bucket a group of its own (PowerSGDPerBucket).
             cap = POWERSGD_BUCKET_MB if method in POWERSGD_ONE else cfg["bucket_mb"]
             self.net = DDP(model, init_sync=False, bucket_cap_mb=cap, gradient_as_bucket_view=True)
             if method == "compute":
