@@ -220,3 +220,31 @@ def test_compute_nice_out_of_range_is_refused(capsys):
     with pytest.raises(SystemExit):
         e2e.main(["--loopback", "--compute-nice", "20", "--methods", "compute"])
     assert "--compute-nice must be in 0..19" in capsys.readouterr().err
+
+
+def test_a_bad_queue_is_refused_and_a_good_one_reaches_every_link(capsys, monkeypatch):
+    with pytest.raises(SystemExit):
+        e2e.main(["--loopback", "--queue", "fast", "--methods", "compute"])
+    assert "--queue 'fast'" in capsys.readouterr().err
+    assert (e2e.queue_seconds("50ms"), e2e.queue_seconds("0.8s"), e2e.queue_seconds("800")) == (0.05, 0.8, None)
+    import dlion.lab.cluster as cluster
+    from dlion.lab.bench.launch import run_cluster
+
+    seen = {}
+
+    class FakeCluster:
+        def __init__(self, world, **kw):
+            seen.update(kw)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def run(self, cmd, timeout, on_line):
+            return []
+
+    monkeypatch.setattr(cluster, "VirtualCluster", FakeCluster)
+    list(run_cluster(["true"], 2, ["3125kbit"], prefix="t", timeout=1, queue="800ms"))
+    assert seen["latency"] == "800ms" and seen["link"] == "3125kbit"

@@ -244,3 +244,67 @@ def test_a_borrowed_curve_is_composed_with_the_borrowers_step_times(tmp_path, ca
     for bad in ("g-adamw-powersgd4-ov=g-adamw-powersgd2", "g-lion=g-adamw-powersgd4", "nonsense=g-lion"):
         with pytest.raises(SystemExit):
             ttq.main(args + ["--borrow-curve", bad])
+
+
+def test_compute_speedup_divides_the_step_times_and_multiplies_the_link_rates(tmp_path, capsys):
+    """A host K× faster at compute on link R: emulated by the step times measured at R / K, divided by K."""
+    assert ttq.faster_compute({"m": {"12500kbit": 400.0, "250mbit": 120.0}}, 4) == \
+        {"m": {"50mbit": 100.0, "1gbit": 30.0}}
+    assert ttq.faster_compute({"m": {"3125kbit": 1600.0}}, 16) == {"m": {"50mbit": 100.0}}
+    with pytest.raises(ValueError, match="unshaped"):
+        ttq.faster_compute({"m": {"unlimited": 10.0}}, 4)
+    with pytest.raises(ValueError, match="> 0"):
+        ttq.faster_compute({"m": {"50mbit": 10.0}}, 0)
+    cfg = {**{k: 1 for k in ttq.MODEL_KEYS}, "methods": ["g-lion", "d-mavo-1bit-ov-rt"], "steps": 100}
+    stored = {"config": cfg, "workers": 4, "runs": {},
+              "curves": {"g-lion": [[50, 3.0], [100, 2.0]], "d-mavo-1bit-ov-rt": [[50, 1.9], [100, 1.8]]}}
+    (tmp_path / "curves.json").write_text(json.dumps(stored))
+    rows = [{"method": m, "link": "12500kbit", "ms_per_step": ms, "ms_mean": ms, "params": 10}
+            for m, ms in (("g-lion", 8000.0), ("d-mavo-1bit-ov-rt", 600.0))]
+    (tmp_path / "e2e.json").write_text(json.dumps({"config": cfg, "workers": 4, "results": rows}))
+    args = ["--curves", str(tmp_path / "curves.json"), "--step-times", str(tmp_path / "e2e.json"),
+            "--target", "2.0", "--no-progress", "--out", str(tmp_path / "out")]
+    with pytest.raises(SystemExit):  # measured with the default 50 ms queue: 12.5 ms at the emulated rate
+        ttq.main(args + ["--compute-speedup", "4"])
+    assert "--queue 200ms" in capsys.readouterr().err
+    (tmp_path / "e2e.json").write_text(json.dumps({"config": dict(cfg, queue="200ms"), "workers": 4,
+                                                   "results": rows}))
+    assert ttq.main(args + ["--compute-speedup", "4"]) == 0
+    doc = json.loads((tmp_path / "out" / "ttq_results.json").read_text())
+    assert doc["composed"]["methods"]["d-mavo-1bit-ov-rt"]["time_to_target_s"] == {"50mbit": 50 * 0.15}
+    assert doc["composed"]["methods"]["g-lion"]["time_to_target_s"] == {"50mbit": 100 * 2.0}
+    assert doc["compute_speedup"] == 4 and doc["measured_step_times_ms"]["g-lion"] == {"12500kbit": 8000.0}
+    assert "emulated host 4× faster at compute" in capsys.readouterr().out
+    for bad in (["--compute-speedup", "4", "--check-link", "50mbit"], ["--compute-speedup", "-1"]):
+        with pytest.raises(SystemExit):
+            ttq.main(args + bad)
+    with pytest.raises(SystemExit):  # nothing to scale
+        ttq.main(["--curves", str(tmp_path / "curves.json"), "--compute-speedup", "4", "--out", str(tmp_path / "o2")])
+
+
+def test_links_keeps_only_the_named_rates():
+    times = {"a": {"50mbit": 1.0, "200mbit": 2.0, "1gbit": 3.0}, "b": {"50mbit": 4.0}}
+    assert ttq.only_links(times, ["50mbit", "1000mbit"]) == {"a": {"50mbit": 1.0, "1gbit": 3.0}, "b": {"50mbit": 4.0}}
+    with pytest.raises(ValueError, match="no step times"):
+        ttq.only_links(times, ["100mbit"])
+
+
+def test_across_seeds_says_the_host_was_emulated_and_refuses_mixing_hosts():
+    from dlion.lab.bench import ttq_seeds
+
+    rows = {"g-lion": (500, 1.9, {"50mbit": 10.0})}
+    docs = [dict(_seed_doc(k, rows), compute_speedup=16.0) for k in (0, 1)]
+    assert ttq_seeds.table(ttq_seeds.summarize(docs)).startswith("emulated host 16× faster at compute")
+    with pytest.raises(ValueError, match="emulate different hosts"):
+        ttq_seeds.summarize([docs[0], _seed_doc(1, rows)])
+
+
+def test_across_seeds_says_untimed_not_never_where_a_method_reached_l_without_a_step_time():
+    from dlion.lab.bench import ttq_seeds
+
+    docs = [_seed_doc(k, {"g-lion": (500, 1.9, {}), "d-mavo-1bit-ov": (None, 2.2, {"1gbit": 0.0}),
+                          "g-adamw-powersgd4": (700, 2.0, {"1gbit": 7.0})}) for k in (0, 1)]
+    text = ttq_seeds.table(ttq_seeds.summarize(docs))
+    assert "1gbit: untimed / untimed" in text.split("G-Lion")[1].split("D-Lion")[0]
+    assert "1gbit: never / never" in text.split("D-Lion")[1]
+    assert "1gbit: 7 s / 7 s  (mean 7 s)" in text

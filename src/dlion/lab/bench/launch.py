@@ -105,7 +105,7 @@ def run_loopback(fn: Callable, world: int, *args, timeout_s: float,
 def run_cluster(cmd: list[str], world: int, links: Sequence[str], *, prefix: str, timeout: float,
                 on_tick: Optional[Callable[[], None]] = None,
                 on_link: Optional[Callable[[str], None]] = None,
-                nodes: Optional[int] = None) -> Iterator[tuple[str, list[list[dict]], list]]:
+                nodes: Optional[int] = None, queue: str = "50ms") -> Iterator[tuple[str, list[list[dict]], list]]:
     """Run ``cmd`` (one process per rank, which calls :func:`env_worker`) on a virtual cluster of
     ``world`` ranks once per link rate of ``links``, in order, on one cluster whose links are
     reshaped between runs. ``on_link(link)`` is called before each run and ``on_tick()`` for
@@ -114,10 +114,11 @@ def run_cluster(cmd: list[str], world: int, links: Sequence[str], *, prefix: str
     :func:`dlion.lab.cluster.exit_code`). The cluster is torn down when the generator ends or
     is closed. Raises the cluster's errors (:class:`dlion.lab.cluster.RootRequiredError`
     without root). ``nodes``: group the ranks into that many nodes (the links are then the
-    node uplinks; inside a node unshaped, see :class:`dlion.lab.cluster.VirtualCluster`)."""
+    node uplinks; inside a node unshaped, see :class:`dlion.lab.cluster.VirtualCluster`). ``queue``:
+    every link's tbf queue bound (tc's ``latency``)."""
     from dlion.lab.cluster import VirtualCluster, exit_code
 
-    with VirtualCluster(world, link=links[0], prefix=prefix, nodes=nodes) as cluster:
+    with VirtualCluster(world, link=links[0], prefix=prefix, nodes=nodes, latency=queue) as cluster:
         for i, link in enumerate(links):
             if i:
                 cluster.set_link(link)

@@ -258,7 +258,8 @@ def plot(curves: dict, step_ms: dict, comp: dict, links: list[str], path: str, t
         ax.set_ylabel("validation loss (nats/char)")
         ax.set_title(f"link {link}")
         ax.grid(True, alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    if axes[0][0].get_legend_handles_labels()[0]:  # methods without step times draw nothing
+        axes[0][0].legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -290,6 +291,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--quant-bits", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--step-times", default=None, help="e2e_results.json of `dlion bench e2e` with this model")
+    ap.add_argument("--compute-speedup", type=float, default=None, metavar="K",
+                    help="emulate a host K times faster at compute: the step times of --step-times, measured at "
+                         "link rates K times slower, are divided by K and labelled with K × their rate")
+    ap.add_argument("--links", default=None, help="compose only these link rates of --step-times (after "
+                                                  "--compute-speedup), comma separated")
     ap.add_argument("--target", type=float, default=None,
                     help="target validation loss L (default: G-Lion's final validation loss, and G-Lion is "
                          "then trained whether listed or not)")
@@ -341,6 +347,43 @@ def _step_times(path: str, cfg: dict, workers: int) -> tuple[dict, str]:
     return out, stat
 
 
+EMULATED_QUEUE_S = 0.05  # `dlion bench e2e`'s default link queue, which an emulated host's links must have
+
+
+def faster_compute(step_ms: dict, k: float) -> dict:
+    """Step times of a host ``k`` times faster at compute, from those measured on this one at a
+    link ``k`` times slower: a step's compute and its wire both take ``k`` times longer here than
+    there, so ``ms / k`` at rate ``k`` × the measured rate. ``{"m": {"12500kbit": 400.0}}`` with
+    ``k = 4`` → ``{"m": {"50mbit": 100.0}}``. (The host's CPU work that a faster accelerator would
+    not speed up is scaled too: optimistic for the method with the most of it.)"""
+    from dlion.lab.cluster import _format_rate, parse_rate
+
+    if not k > 0:
+        raise ValueError(f"--compute-speedup must be > 0, got {k}")
+    out: dict = {}
+    for m, per_link in step_ms.items():
+        for link, ms in per_link.items():
+            bps = parse_rate(link)
+            if bps is None:
+                raise ValueError(f"--compute-speedup: {m} was measured on an unshaped link ({link}); "
+                                 "only shaped link rates scale")
+            out.setdefault(m, {})[_format_rate(round(bps * k))] = ms / k
+    return out
+
+
+def only_links(step_ms: dict, links: list[str]) -> dict:
+    """The step times at ``links`` only (rates compared as rates: ``1000mbit`` is ``1gbit``)."""
+    from dlion.lab.cluster import parse_rate
+
+    want = {parse_rate(k.strip()) for k in links if k.strip()}
+    have = {parse_rate(k) for per_link in step_ms.values() for k in per_link}
+    missing = sorted(want - have, key=lambda r: r or 0)
+    if missing:
+        raise ValueError(f"--links: no step times at {', '.join(str(r) + ' bit/s' for r in missing)} "
+                         f"(have: {', '.join(sorted({k for v in step_ms.values() for k in v}))})")
+    return {m: {k: ms for k, ms in per_link.items() if parse_rate(k) in want} for m, per_link in step_ms.items()}
+
+
 def main(argv: list[str]) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
@@ -385,6 +428,31 @@ def main(argv: list[str]) -> int:
         print(f"dlion bench ttq: workload of {args.extend} (its flags override these); "
               f"training {', '.join(methods) or 'nothing new'}")
     step_ms, step_stat = _step_times(args.step_times, cfg, args.workers) if args.step_times else ({}, None)
+    measured_ms = step_ms
+    if args.compute_speedup is not None:
+        if not args.step_times:
+            ap.error("--compute-speedup scales the step times of --step-times: give them")
+        if args.check_link:
+            ap.error("--check-link trains on this host's links: it cannot check emulated step times "
+                     "(drop --compute-speedup)")
+        from .e2e import queue_seconds
+
+        with open(args.step_times) as f:
+            queue = json.load(f)["config"].get("queue", "50ms")
+        if not math.isclose(queue_seconds(queue) / args.compute_speedup, EMULATED_QUEUE_S):
+            ap.error(f"--compute-speedup {args.compute_speedup:g}: {args.step_times} was measured with a {queue} "
+                     f"link queue, {queue_seconds(queue) / args.compute_speedup * 1e3:g} ms at the emulated rates; "
+                     f"run `dlion bench e2e --queue {EMULATED_QUEUE_S * args.compute_speedup * 1e3:g}ms` so that "
+                     "the queues hold as many packets as the default 50 ms does at the emulated rates")
+        try:
+            step_ms = faster_compute(step_ms, args.compute_speedup)
+        except ValueError as e:
+            ap.error(str(e))
+    if args.links:
+        try:
+            step_ms = only_links(step_ms, args.links.split(","))
+        except ValueError as e:
+            ap.error(str(e))
     os.makedirs(args.out, exist_ok=True)
     bar = None
     if not args.no_progress and not args.curves and methods:
@@ -432,12 +500,16 @@ def main(argv: list[str]) -> int:
     doc = {"benchmark": "dlion bench ttq", "config": cfg, "workers": args.workers, "curves": curves,
            "runs": extra, "step_times_ms": step_ms, "step_times_from": os.path.basename(args.step_times or ""),
            "step_time_statistic": step_stat, "borrowed_curves": borrowed,
+           "compute_speedup": args.compute_speedup, "measured_step_times_ms": measured_ms,
            "composed": comp, "elapsed_s": time.time() - t0}
     if args.check_link:
         doc["check"] = _check(args, cfg, step_ms)
     text = table(comp, links)
     if step_stat:
         text = f"times: steps × the {step_stat} step time of {os.path.basename(args.step_times)}\n" + text
+    if args.compute_speedup is not None:
+        text = (f"emulated host {args.compute_speedup:g}× faster at compute: each step time measured at a link "
+                f"{args.compute_speedup:g}× slower, divided by {args.compute_speedup:g}\n") + text
     if borrowed:
         text += "\n" + "\n".join(f"{m}: the curve of {src} (borrowed), with {m}'s step times"
                                   for m, src in borrowed.items())
@@ -454,7 +526,8 @@ def main(argv: list[str]) -> int:
     if links:
         plot(curves, step_ms, comp, links, os.path.join(args.out, "ttq_loss_vs_time.png"),
              f"dlion bench ttq: {args.workers} ranks, CharGPT {p / 1e6 if p else 0:.2f} M params, "
-             f"{cfg['steps']} steps; time = steps × step time measured on the shaped links")
+             f"{cfg['steps']} steps; time = steps × step time measured on the shaped links"
+             + (f"\n(emulated: compute {args.compute_speedup:g}× faster, see docs)" if args.compute_speedup else ""))
     else:
         plot_steps(curves, comp, os.path.join(args.out, "ttq_loss_vs_step.png"),
                    f"dlion bench ttq: {args.workers} ranks, CharGPT {p / 1e6 if p else 0:.2f} M params, "

@@ -48,6 +48,9 @@ def summarize(docs: list[dict]) -> dict:
         if d["composed"]["target_loss"] != ref["composed"]["target_loss"]:
             raise ValueError(f"targets differ: {d['composed']['target_loss']} vs {ref['composed']['target_loss']} "
                              "(re-compose every seed with the same --target)")
+        if d.get("compute_speedup") != ref.get("compute_speedup"):
+            raise ValueError(f"the runs emulate different hosts (--compute-speedup {d.get('compute_speedup')} vs "
+                             f"{ref.get('compute_speedup')})")
         if d.get("step_times_ms") != ref.get("step_times_ms"):
             raise ValueError("the runs were composed with different step times (use one --step-times file)")
     seeds = list(dict.fromkeys(d["config"].get("seed") for d in docs))
@@ -65,7 +68,7 @@ def summarize(docs: list[dict]) -> dict:
     links = sorted({k for d in docs for r in d["composed"]["methods"].values() for k in r["time_to_target_s"]},
                    key=_rate_key)
     out = {"target_loss": ref["composed"]["target_loss"], "seeds": seeds, "links": links, "methods": {},
-           "first": {}}
+           "first": {}, "compute_speedup": ref.get("compute_speedup")}
     for m, per_seed in rows_of.items():
         rows = [per_seed.get(i) for i in range(len(seeds))]
         times = {k: [None if r is None or r["steps_to_target"] is None else r["time_to_target_s"].get(k)
@@ -101,12 +104,15 @@ def table(s: dict) -> str:
     seeds = "/".join(str(x) for x in s["seeds"])
     lines = [f"target L = {s['target_loss']:.4f} nats/char; seeds {seeds}; "
              "time to L per seed, and the mean over the seeds that reached L"]
+    if s.get("compute_speedup"):
+        lines.insert(0, f"emulated host {s['compute_speedup']:g}× faster at compute (step times measured at links "
+                        f"{s['compute_speedup']:g}× slower, divided by {s['compute_speedup']:g})")
     for m, r in s["methods"].items():
         steps = " / ".join("-" if not run else ("never" if st is None else str(st))
                            for st, run in zip(r["steps_to_target"], r["run"]))
         lines.append(f"{label(m)}: steps to L {steps}; reached in {r['seeds_reaching_target']} of {len(s['seeds'])}")
         for k in s["links"]:
-            per = " / ".join("never" if t is None else f"{t:.0f} s" for t in r["time_to_target_s"][k])
+            per = " / ".join(_cell(t, st) for t, st in zip(r["time_to_target_s"][k], r["steps_to_target"]))
             mean = r["mean_time_to_target_s"][k]
             lines.append(f"    {k:>8}: {per}" + ("" if mean is None else f"  (mean {mean:.0f} s)"))
     for k in s["links"]:
@@ -114,6 +120,12 @@ def table(s: dict) -> str:
         counts = {m: firsts.count(m) for m in dict.fromkeys(f for f in firsts if f)}
         lines.append(f"first at {k}: " + ", ".join(f"{label(m)} in {c} of {len(firsts)}" for m, c in counts.items()))
     return "\n".join(lines)
+
+
+def _cell(t: Optional[float], steps: Optional[int]) -> str:
+    """A seed's time to L: "never" only where L was not reached; "untimed" where it was but the
+    step-time file has no time for the method at that rate."""
+    return f"{t:.0f} s" if t is not None else "untimed" if steps is not None else "never"
 
 
 def plot(s: dict, path: str, title: str) -> None:
@@ -132,7 +144,8 @@ def plot(s: dict, path: str, title: str) -> None:
         for y, m in enumerate(methods):
             ts = s["methods"][m]["time_to_target_s"][k]
             ax.scatter([t for t in ts if t is not None], [y] * sum(t is not None for t in ts), s=28, zorder=3)
-            never = sum(1 for t, run in zip(ts, s["methods"][m]["run"]) if t is None and run)
+            never = sum(1 for run, st in zip(s["methods"][m]["run"], s["methods"][m]["steps_to_target"])
+                        if run and st is None)
             if never:
                 ax.scatter([edge], [y], marker="x", color="k", zorder=3)
                 ax.annotate(f"never ×{never}", (edge, y), textcoords="offset points", xytext=(-6, 6), fontsize=8,
@@ -181,6 +194,7 @@ def run(paths: list[str], out: str) -> int:
     with open(os.path.join(out, "ttq_seeds.txt"), "w") as f:
         f.write(text + "\n")
     plot(s, os.path.join(out, "ttq_seeds.png"),
-         f"dlion bench ttq: {len(s['seeds'])} seeds, {docs[0]['workers']} ranks, {docs[0]['config']['steps']} steps")
+         f"dlion bench ttq: {len(s['seeds'])} seeds, {docs[0]['workers']} ranks, {docs[0]['config']['steps']} steps"
+         + (f"; emulated host {s['compute_speedup']:g}× faster at compute" if s.get("compute_speedup") else ""))
     print(f"wrote {os.path.join(out, 'ttq_seeds.json')}, ttq_seeds.txt, ttq_seeds.png")
     return 0

@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from typing import Optional
@@ -120,11 +121,21 @@ def _parser() -> argparse.ArgumentParser:
                          "every method is built, leaving the process groups' communication threads at 0: the "
                          "scheduling of a machine whose compute runs elsewhere (a GPU), for every method alike "
                          "(default 0: off)")
+    ap.add_argument("--queue", default="50ms", metavar="TIME",
+                    help="every link's tbf queue bound, as time at the link rate (default 50ms). To emulate a host "
+                         "K times faster at compute (`dlion bench ttq --compute-speedup K`), run at rates K times "
+                         "lower with a queue K times longer, so that it holds as many bytes (packets) as there")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--replot", default=None, metavar="JSON",
                     help="redraw e2e_step_time.png in --out from an earlier e2e_results.json, without running")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return ap
+
+
+def queue_seconds(text: str):
+    """``"50ms"`` → 0.05, ``"0.8s"`` → 0.8; None if it is not such a time."""
+    m = re.fullmatch(r"(\d+(?:\.\d*)?)(ms|s)", str(text).strip())
+    return None if m is None else float(m.group(1)) * (1e-3 if m.group(2) == "ms" else 1.0)
 
 
 def main(argv: list[str]) -> int:
@@ -154,6 +165,8 @@ def main(argv: list[str]) -> int:
     args.workers = resolve_workers(ap, args, default=4, minimum=2)
     if args.steps < 1 or args.warmup < 0:
         ap.error("--steps must be >= 1 and --warmup >= 0")
+    if queue_seconds(args.queue) is None:
+        ap.error(f"--queue {args.queue!r}: give a time such as 50ms or 0.8s")
     if not 0 <= args.compute_nice <= 19:
         ap.error(f"--compute-nice must be in 0..19, got {args.compute_nice}")
     try:
@@ -174,7 +187,8 @@ def main(argv: list[str]) -> int:
            "quant_bits": args.quant_bits, "lr": args.lr,
            "weight_decay": args.weight_decay, "seed": args.seed, "synthetic": args.synthetic,
            "ties": args.ties, "timeout": args.timeout, "sequential": args.sequential, "methods": methods,
-           "nodes": args.nodes, "per_node": args.per_node, "fused": args.fused, "compute_nice": args.compute_nice}
+           "nodes": args.nodes, "per_node": args.per_node, "fused": args.fused, "compute_nice": args.compute_nice,
+           "queue": args.queue}
     if args.loopback:
         links = [("loopback", None)]
     else:

@@ -195,7 +195,7 @@ def run_e2e_cluster(args, cfg: dict, links: list, raw: dict, bar) -> Optional[st
     cmd = [sys.executable, "-m", "dlion.lab.bench.e2e", "--worker", json.dumps(cfg)]
     try:
         with contextlib.closing(run_cluster(cmd, args.workers, [link for link, _ in links], prefix=prefix,
-                                            timeout=args.timeout, nodes=cfg.get("nodes"),
+                                            timeout=args.timeout, nodes=cfg.get("nodes"), queue=args.queue,
                                             on_tick=None if bar is None else lambda: bar.update(1),
                                             on_link=None if bar is None else bar.set_postfix_str)) as runs:
             for link, per_rank, results in runs:
