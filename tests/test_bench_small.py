@@ -84,3 +84,23 @@ def test_wire_bench_on_loopback_counts_one_bit_each_way_idle_and_busy(tmp_path, 
         # N = 2, random ties: 1 bit up and 1 bit back, each (N-1)/N of the values, plus small headers
         assert n / 8 <= row["bytes_sent_per_step"] <= 1.02 * n / 8 + 256
         assert len(doc["raw"]["loopback"]) == 2 and len(doc["raw"]["loopback"][0][mode]["step_s"]) == 2
+
+
+def test_bucket_ready_times_script_reports_every_bucket_in_backward_order(tmp_path):
+    """scripts/bucket_ready_times.py (the wire bound in docs/benchmarks.md): one time per bucket,
+    the buckets of the last layers first, all within forward + backward."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "ready.json"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bucket_ready_times.py"
+    subprocess.run([sys.executable, str(script), "--bucket-mb", "6", "--steps", "1", "--out", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    doc = json.loads(out.read_text())
+    ready = doc["per_step"][0]["ready_ms"]
+    assert len(ready) == len(doc["bucket_numel"]) == 4 and sum(doc["bucket_numel"]) == 4_776_960  # as dlion bench e2e reports
+    assert ready == sorted(ready)
+    assert doc["per_step"][0]["forward_ms"] < ready[0]
+    assert ready[-1] <= doc["per_step"][0]["forward_ms"] + doc["per_step"][0]["backward_ms"] + 5
