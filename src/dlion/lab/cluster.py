@@ -76,6 +76,7 @@ API::
     cleanup(prefix="dlion", *, force=False) -> list[str]
     require_root() / netns_available() -> (bool, reason)
     parse_rate(link) -> int | None       # bits/s, None = unshaped
+    format_rate(bps) -> str              # 50_000_000 -> "50mbit", None -> "unlimited"
     main(argv) -> int                    # ``dlion cluster ...``
 
 ``cmd`` for :meth:`VirtualCluster.run` is one argv for every rank, a list of
@@ -134,6 +135,7 @@ __all__ = [
     "exit_code",
     "netns_available",
     "parse_rate",
+    "format_rate",
     "require_root",
     "main",
 ]
@@ -223,7 +225,8 @@ def parse_rate(link: Union[str, int, float, None]) -> Optional[int]:
     return bps or None
 
 
-def _format_rate(bps: Optional[int]) -> str:
+def format_rate(bps: Optional[int]) -> str:
+    """Bits/s as tc writes them, in the largest unit that divides exactly."""
     if bps is None:
         return "unlimited"
     for unit, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
@@ -483,11 +486,11 @@ class VirtualCluster:
 
     @property
     def link(self) -> str:
-        return _format_rate(self.rate_bps)
+        return format_rate(self.rate_bps)
 
     @property
     def intra_link(self) -> str:
-        return _format_rate(self.intra_bps)
+        return format_rate(self.intra_bps)
 
     def node_of(self, rank: int) -> int:
         """The node of ``rank`` (0 without nodes)."""

@@ -356,7 +356,7 @@ def faster_compute(step_ms: dict, k: float) -> dict:
     there, so ``ms / k`` at rate ``k`` × the measured rate. ``{"m": {"12500kbit": 400.0}}`` with
     ``k = 4`` → ``{"m": {"50mbit": 100.0}}``. (The host's CPU work that a faster accelerator would
     not speed up is scaled too: optimistic for the method with the most of it.)"""
-    from dlion.lab.cluster import _format_rate, parse_rate
+    from dlion.lab.cluster import format_rate, parse_rate
 
     if not k > 0:
         raise ValueError(f"--compute-speedup must be > 0, got {k}")
@@ -367,8 +367,24 @@ def faster_compute(step_ms: dict, k: float) -> dict:
             if bps is None:
                 raise ValueError(f"--compute-speedup: {m} was measured on an unshaped link ({link}); "
                                  "only shaped link rates scale")
-            out.setdefault(m, {})[_format_rate(round(bps * k))] = ms / k
+            out.setdefault(m, {})[format_rate(round(bps * k))] = ms / k
     return out
+
+
+def emulated_step_times(path: str, step_ms: dict, k: float) -> dict:
+    """:func:`faster_compute` of ``step_ms`` (read from the e2e result ``path``), refusing a
+    result whose links' queue, at the emulated rates, is not the default 50 ms: only then do the
+    queues hold as many packets as on the host emulated."""
+    from .e2e import queue_seconds
+
+    with open(path) as f:
+        queue = json.load(f)["config"].get("queue", "50ms")
+    if k > 0 and not math.isclose(queue_seconds(queue) / k, EMULATED_QUEUE_S):
+        raise ValueError(f"--compute-speedup {k:g}: {path} was measured with a {queue} link queue, "
+                         f"{queue_seconds(queue) / k * 1e3:g} ms at the emulated rates; run `dlion bench e2e "
+                         f"--queue {EMULATED_QUEUE_S * k * 1e3:g}ms` so that the queues hold as many packets "
+                         "as the default 50 ms does at the emulated rates")
+    return faster_compute(step_ms, k)
 
 
 def only_links(step_ms: dict, links: list[str]) -> dict:
@@ -435,17 +451,8 @@ def main(argv: list[str]) -> int:
         if args.check_link:
             ap.error("--check-link trains on this host's links: it cannot check emulated step times "
                      "(drop --compute-speedup)")
-        from .e2e import queue_seconds
-
-        with open(args.step_times) as f:
-            queue = json.load(f)["config"].get("queue", "50ms")
-        if not math.isclose(queue_seconds(queue) / args.compute_speedup, EMULATED_QUEUE_S):
-            ap.error(f"--compute-speedup {args.compute_speedup:g}: {args.step_times} was measured with a {queue} "
-                     f"link queue, {queue_seconds(queue) / args.compute_speedup * 1e3:g} ms at the emulated rates; "
-                     f"run `dlion bench e2e --queue {EMULATED_QUEUE_S * args.compute_speedup * 1e3:g}ms` so that "
-                     "the queues hold as many packets as the default 50 ms does at the emulated rates")
         try:
-            step_ms = faster_compute(step_ms, args.compute_speedup)
+            step_ms = emulated_step_times(args.step_times, step_ms, args.compute_speedup)
         except ValueError as e:
             ap.error(str(e))
     if args.links:
