@@ -9,7 +9,8 @@ __version__ = "0.2.0"
 from .lion import Lion
 from .distributed import DesyncError, DistributedLion
 from .hierarchical import HierarchicalDistributedLion
+from .local import LocalDistributedLion
 from .simulate import SimulatedDistributedLion
 
 __all__ = ["Lion", "DistributedLion", "DesyncError", "SimulatedDistributedLion", "HierarchicalDistributedLion",
-           "__version__"]
+           "LocalDistributedLion", "__version__"]

@@ -331,14 +331,23 @@ def save(path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     instead: every rank writes its own momenta (and its share of the model) in
     parallel, and no rank ever holds another rank's state (see the module docstring).
     """
-    if sharded:
-        return _save_sharded(path, model, optimizer, step, extra, verify_replicas, group)
+    # An optimizer whose ranks hold local parameters between syncs (dlion.LocalDistributedLion) keeps
+    # them in its state; the model is saved (and compared) as the anchor the ranks agree on.
+    opt_sd = optimizer.state_dict() if optimizer is not None else None
+    anchored = getattr(optimizer, "anchored", None)
+    with anchored() if anchored is not None else contextlib.nullcontext():
+        if sharded:
+            return _save_sharded(path, model, optimizer, step, extra, verify_replicas, group, opt_sd)
+        return _save_file(path, model, optimizer, step, extra, verify_replicas, group, opt_sd)
+
+
+def _save_file(path, model, optimizer, step, extra, verify_replicas, group, opt_sd) -> None:
     distributed, rank, world = _group_info(group)
     path, error = _checked_save_args(model, path, extra, rank, _check_save_path)
     mine = None
     if error is None:
         mine = {
-            "optimizer": optimizer.state_dict() if optimizer is not None else None,
+            "optimizer": opt_sd,
             "rng": _rng_state(),
             # Parameters must be identical on every rank; buffers (BatchNorm running statistics) are
             # rank-local, like DDP with broadcast_buffers=False, so they are not compared (rank 0's are saved).
@@ -815,7 +824,7 @@ def _fsync_dir(directory: str) -> None:
         pass
 
 
-def _save_sharded(path, model: nn.Module, optimizer, step, extra, verify_replicas: bool, group) -> None:
+def _save_sharded(path, model: nn.Module, optimizer, step, extra, verify_replicas: bool, group, opt_sd) -> None:
     import torch.distributed.checkpoint as dcp
 
     distributed, rank, world = _group_info(group)
@@ -850,7 +859,7 @@ def _save_sharded(path, model: nn.Module, optimizer, step, extra, verify_replica
     sd = {"model." + k: v.detach() for k, v in model_sd.items() if k in params or rank == 0}
     record = {"optimizer": None, "tensors": [], "rng": _rng_state()}
     if optimizer is not None:
-        rest, keys, tensors = _split_state(optimizer.state_dict())
+        rest, keys, tensors = _split_state(opt_sd)
         record.update(optimizer=rest, tensors=keys)
         for (pid, name), t in tensors.items():
             sd[_momentum_key(rank, pid, name)] = t   # this rank's momenta, under keys of its own

@@ -385,21 +385,31 @@ class DistributedLion(Lion):
                           bool(group["maximize"]))
         return zlib.crc32(raw) & 0x7FFFFFFF
 
-    def _contribute(self, k: int, step: int) -> Contribution:
-        b, buf = self.buckets[k], self._buffers[k]
-        status, error = 0, None
+    def _local_values(self, k: int) -> tuple[Tensor, list[bool], bool]:
+        """This rank's int8 values for bucket k (δ = sign(β1·m + (1 − β1)·g), or Lion Cub's q), which
+        parameters take part, and whether every value was finite: what a subclass changes to vote
+        on something else (:class:`dlion.LocalDistributedLion` votes on its local progress)."""
+        b, buf, group = self.buckets[k], self._buffers[k], self.buckets[k].group
+        quant = (self.quant_levels, self.quant_norm) if self.aggregate == "quantized" else None
+        return contribute(b, buf, [p.grad for p in b.params], self._scratch, beta1=group["betas"][0],
+                          maximize=group["maximize"], quant=quant, borrow=True, fused=group.get("fused", False))
+
+    def _input_error(self, k: int) -> Optional[Exception]:
+        """The first invalid gradient of bucket k on this rank (sent as BAD: every rank raises), or None."""
+        b, error = self.buckets[k], None
         for i, p in zip(b.indices, b.params):
             try:
                 check_grad(i, p)
             except ValueError as e:
                 error = error or e
+        return error
+
+    def _contribute(self, k: int, step: int) -> Contribution:
+        b, buf = self.buckets[k], self._buffers[k]
+        status, error = 0, self._input_error(k)
         group = b.group
         if error is None:
-            quant = (self.quant_levels, self.quant_norm) if self.aggregate == "quantized" else None
-            values, present, finite = contribute(b, buf, [p.grad for p in b.params], self._scratch,
-                                                 beta1=group["betas"][0],
-                                                 maximize=group["maximize"], quant=quant, borrow=True,
-                                                 fused=group.get("fused", False))
+            values, present, finite = self._local_values(k)
             if not finite:
                 status |= NONFINITE
             self._step.finite[k] = finite
@@ -459,6 +469,11 @@ class DistributedLion(Lion):
             # Another backward accumulated into gradients already sent (overlap=True without no_sync):
             # like torch.optim, step with the accumulated .grad — finish and drop the exchange, send again.
             self._discard_in_flight()
+        self._exchange(step_no)
+        return loss
+
+    def _exchange(self, step_no: int) -> None:
+        """Contribute every bucket not yet issued, run the collectives, apply Δ (or raise on every rank)."""
         if self._step is None:
             self._step = _Step(self)
         st = self._step
@@ -475,7 +490,6 @@ class DistributedLion(Lion):
         finally:
             for buf in self._buffers:  # a skipped or failed step leaves no reference to this step's gradients
                 buf.borrowed = None
-        return loss
 
     def _delayed_step(self, loss):
         """delay=1: apply the step in flight (its exchange ran during this forward and backward),
@@ -804,6 +818,10 @@ class DistributedLion(Lion):
                 "DistributedLion cannot load this state: it was saved by dlion.HierarchicalDistributedLion, which "
                 "keeps one momentum per node, sharded across the node's ranks; DistributedLion keeps one per rank. "
                 "Resume with HierarchicalDistributedLion on the same mesh.")
+        if extra is not None and extra.get("local") is not None and "local" not in type(self).__name__.lower():
+            raise ValueError(
+                "DistributedLion cannot load this state: it was saved by dlion.LocalDistributedLion, whose state "
+                "holds an anchor, residuals and each rank's local parameters. Resume with LocalDistributedLion.")
         super().load_state_dict(state_dict)
         rebind_groups(self.buckets, self.param_groups)
         # The momenta live in the buckets' flat buffers: copy the loaded values in and re-point the state.

@@ -1,0 +1,377 @@
+"""Local steps with a 1-bit vote of the ranks' progress every H steps.
+
+Every rank runs H plain Lion steps on its own copy of the parameters with its own
+momentum, with no communication; then the ranks agree on one outer update from
+their progress over the round, through the same algorithm objects, buckets and
+failure flags as every-step :class:`dlion.DistributedLion`. Per round, on rank i
+(A: the anchor, the parameters agreed at the last sync, identical on every rank)::
+
+    x_i ← H Lion steps from A (lr η_t, weight decay λ, momentum m_i kept across rounds)
+    S   = Σ η_t over the round's steps                      # identical on every rank
+    e_i ← e_i + (A − x_i)                                   # error feedback (e_i = 0 at first)
+    s_i = sign(e_i)                                         # 1 bit per coordinate on the wire
+    e_i ← e_i − mean(|e_i|)·s_i                             # per tensor: what the sign kept leaves
+    Δ   = rule(s_1 … s_N)                                   # majority vote (or mean), as every step
+    A   ← A − α·S·Δ ;  x_i ← A                              # identical on every rank
+
+A rank that had no gradient for a parameter during the whole round abstains on it
+(sends 0, keeps its residual). Without error feedback s_i = sign(A − x_i) and
+e_i stays 0. Bytes: what one :class:`DistributedLion` step of the same
+algorithm moves, once per round (``comm_stats`` counts every step, so
+``bits_per_param_per_step`` is the amortised figure): for ``comm="1bit"`` at
+N = 4, about 1.52/H bits per parameter sent per step (random ties) and 1.96/H
+with ``ties="zero"`` (trits back).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+import zlib
+from typing import Callable, Iterable, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .algorithms import NONFINITE
+from .buckets import Bucket, _all_finite, apply_codes
+from .distributed import DistributedLion, raise_if_diverged, checksum_table
+from .lion import Lion, check_grad
+from .quantize import quantize
+
+__all__ = ["LocalDistributedLion"]
+
+
+class LocalDistributedLion(DistributedLion):
+    """Distributed Lion that talks every ``sync_every`` steps: H local Lion steps per rank, then a
+    1-bit vote of the ranks' progress (module docstring). A drop-in ``torch.optim`` optimizer:
+    each rank calls ``loss.backward(); opt.step()`` on its own batch.
+
+    Between syncs the ranks' parameters differ (each holds its own local copy); after every sync
+    they are bitwise identical. :meth:`check_replicas`, :func:`dlion.checkpoint.save` and
+    :meth:`anchored` see the anchor, so a checkpoint may be taken at any step and resumes bitwise
+    (each rank's local parameters, momentum and residual travel in its optimizer state).
+
+    Args (beyond those of :class:`dlion.Lion`):
+        sync_every: H, the local steps per round (1: every step, yet not every-step D-Lion:
+            the vote is on the progress of one step, weight decay included).
+        outer_scale: α, the outer step is α·S·Δ with S the round's summed lr.
+        error_feedback: carry what the sign dropped into the next round (module docstring).
+        vote, ties, process_group, comm, aggregate, quant_norm, quant_bits, bucket_cap_mb, seed,
+        check_every, nonfinite, momentum_dtype, fused: as :class:`dlion.DistributedLion`;
+        ``aggregate="quantized"`` votes on Lion Cub's quantised residual instead of its sign
+        (the residual update stays the sign one); ``check_every`` counts rounds' last steps.
+
+    A rank whose gradients are inf/NaN skips its own local step (its parameters and momentum
+    stay; ``skipped_steps`` counts it on that rank); with ``nonfinite="raise"`` every rank raises
+    at the next sync. An invalid gradient (sparse, integer) is reported the same way: every rank
+    raises at the next sync, nothing of the round is applied. Under ``torch.amp.GradScaler`` each
+    rank skips its own overflowing steps (its scale is its own: the inner loops are local).
+    ``overlap``, ``delay`` and ``momentum_sync`` do not apply (there is nothing to hide
+    behind backward but one exchange per round, and the momenta are never averaged).
+    """
+
+    def __init__(
+        self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0,
+        *,
+        sync_every: int = 10,
+        outer_scale: float = 1.0,
+        error_feedback: bool = True,
+        vote: str = "mavo",
+        ties: str = "zero",
+        process_group=None,
+        comm: str = "auto",
+        aggregate: str = "sign",
+        quant_norm: str = "l1",
+        quant_bits: int = 8,
+        bucket_cap_mb: Union[float, Sequence[float]] = 25.0,
+        seed: int = 0,
+        check_every: int = 0,
+        nonfinite: str = "skip",
+        maximize: bool = False,
+        foreach: Optional[bool] = None,
+        momentum_dtype: Optional[torch.dtype] = None,
+        fused: bool = False,
+    ):
+        if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
+            raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
+        if (not isinstance(outer_scale, (int, float)) or isinstance(outer_scale, bool)
+                or not 0.0 < float(outer_scale) < float("inf")):
+            raise ValueError(f"outer_scale must be a number > 0, got {outer_scale!r}")
+        if not isinstance(error_feedback, bool):
+            raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
+        self.sync_every, self.outer_scale, self.error_feedback = sync_every, float(outer_scale), error_feedback
+        super().__init__(params, lr, betas, weight_decay, vote=vote, ties=ties, process_group=process_group,
+                         comm=comm, aggregate=aggregate, quant_norm=quant_norm, quant_bits=quant_bits,
+                         bucket_cap_mb=bucket_cap_mb, seed=seed, check_every=check_every, nonfinite=nonfinite,
+                         maximize=maximize, foreach=foreach, momentum_dtype=momentum_dtype, fused=fused)
+        #: per bucket: the anchor (parameter dtype, identical on every rank) and this rank's residual
+        self._anchor = [b.flat(b.params[0].dtype) for b in self.buckets]
+        self._error = [b.flat() for b in self.buckets]
+        #: per bucket and parameter: had this rank a gradient for it during the round
+        self._touched = [[False] * len(b.params) for b in self.buckets]
+        #: per parameter group: S, the lr summed over the round's steps so far
+        self._round_lr = [0.0] * len(self.param_groups)
+        self._round_error: Optional[Exception] = None
+        self._round_nonfinite = False
+        for b, a, e in zip(self.buckets, self._anchor, self._error):
+            torch._foreach_copy_(b.views(a), [p.detach() for p in b.params])
+            for p, av, ev in zip(b.params, b.views(a), b.views(e)):
+                self.state[p]["anchor"] = av
+                self.state[p]["error"] = ev
+
+    # -- what differs from every-step D-Lion ----------------------------------------
+    def _config(self) -> tuple:
+        return super()._config() + (self.sync_every, self.outer_scale, self.error_feedback)
+
+    def _count_step(self) -> None:
+        """The sync does not count a step: every local step already did (:meth:`_tick`)."""
+
+    def _tick(self) -> None:
+        self.step_count += 1
+        self.comm_stats.steps += 1
+
+    def _outer_lr(self, group: dict) -> float:
+        i = next(i for i, g in enumerate(self.param_groups) if g is group)
+        return self.outer_scale * self._round_lr[i]
+
+    def _digest(self, group: dict) -> int:
+        """The outer step α·S, β and weight decay must agree on every rank (e.g. one rank's lr schedule ahead)."""
+        b1, b2 = group["betas"]
+        raw = struct.pack("<ddddd?", self._outer_lr(group), float(b1), float(b2), float(group["weight_decay"]),
+                          float(group["lr"]), bool(group["maximize"]))
+        return zlib.crc32(raw) & 0x7FFFFFFF
+
+    def _input_error(self, k: int) -> Optional[Exception]:
+        return self._round_error
+
+    def _local_values(self, k: int) -> tuple[Tensor, list[bool], bool]:
+        """s = sign(e + A − x) (or Lion Cub's q of it) for the parameters this rank touched; e + A − x
+        is kept in the bucket's gradient buffer until the outcome is applied (a failed sync changes nothing)."""
+        b, buf = self.buckets[k], self._buffers[k]
+        present = list(self._touched[k])
+        values = buf.values
+        values.zero_()
+        if not any(present):
+            return values, present, True
+        c = buf.grad  # (unused by local rounds otherwise)
+        xs = [p.detach() for p in b.params]
+        if b.low_precision:
+            xs = [x.float() for x in xs]
+            anchors = [a.float() for a in b.views(self._anchor[k])]
+        else:
+            anchors = b.views(self._anchor[k])
+        torch._foreach_copy_(buf.grad_views, anchors)
+        torch._foreach_sub_(buf.grad_views, xs)
+        if self.error_feedback:
+            c.add_(self._error[k])
+        finite = _all_finite(c) and not self._round_nonfinite
+        out = values[:b.numel]
+        if self.aggregate == "quantized":
+            for j, (o, n) in enumerate(zip(b.offsets, b.sizes)):
+                if present[j]:
+                    out[o:o + n].copy_(quantize(c[o:o + n], self.quant_levels, self.quant_norm))
+        else:
+            out.copy_(torch.sign(c))
+        for j, ok in enumerate(present):
+            if not ok:
+                out[b.offsets[j]:b.offsets[j] + b.sizes[j]].zero_()
+        return values, present, finite
+
+    def _apply(self, k: int, b: Bucket, o, present: list[bool]) -> None:
+        """x ← A − α·S·Δ on the parameters some rank touched (A elsewhere: x = A there already on
+        every rank but this one's untouched, unchanged ones), A ← x, and this rank's new residual."""
+        buf, group = self._buffers[k], b.group
+        ps = [p.detach() for p in b.params]
+        torch._foreach_copy_(ps, b.views(self._anchor[k]))
+        active = o.has_grad.tolist()
+        if any(active):
+            apply_codes(b, o.codes, active, buf.work, buf.work_views, self._outer_lr(group), 0.0,
+                        self.world_size if self.rule.vote == "avg" else 1, fused=group.get("fused", False))
+            torch._foreach_copy_(b.views(self._anchor[k]), ps)
+        last = buf.last_vote
+        if last is not None:  # ties="previous": this round's codes break the next round's ties
+            if any(active):
+                last.copy_(o.codes)
+            else:
+                last.zero_()
+        for j, ok in enumerate(present):
+            if not ok:
+                continue
+            c, e = buf.grad_views[j], b.views(self._error[k])[j]
+            if self.error_feedback:
+                e.copy_(c - c.abs().mean() * torch.sign(c))
+            # (without error feedback e stays 0)
+
+    # -- the step ----------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler=None):
+        if grad_scaler is not None:
+            return self._scaled_step(closure, grad_scaler)
+        if self.world_size == 1:
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
+                return super().step(closure)  # (raises: built before init_process_group)
+            loss = Lion.step(self, closure)  # plain Lion
+            self._tick()
+            return loss
+        loss = self._evaluate(closure)
+        self._check_frozen()
+        self._inner_step()
+        self._tick()
+        if self.step_count % self.sync_every == 0:
+            self._sync_round()
+        return loss
+
+    def _inner_step(self, skip: bool = False) -> None:
+        """One local Lion step on this rank's parameters, unless its gradients are invalid or non-finite."""
+        grads = [p.grad for p in self._params if p.grad is not None]
+        for i, group in enumerate(self.param_groups):
+            self._round_lr[i] += float(group["lr"])
+        if self._round_error is None:
+            for i, p in enumerate(self._params):
+                try:
+                    check_grad(i, p)
+                except ValueError as e:
+                    self._round_error = e
+                    return
+        if skip or (grads and not bool(torch.isfinite(torch.stack(
+                [torch.stack(torch.aminmax(g.reshape(-1).float())) for g in grads if g.numel()] or
+                [torch.zeros(2)])).all())):
+            self.skipped_steps += 1
+            if self.nonfinite == "raise":
+                self._round_nonfinite = True
+            return
+        Lion.step(self)
+        for k, b in enumerate(self.buckets):
+            t = self._touched[k]
+            for j, p in enumerate(b.params):
+                if p.grad is not None:
+                    t[j] = True
+
+    def _sync_round(self) -> None:
+        skipped = self.skipped_steps
+        try:
+            self._exchange(self.step_count)
+        finally:
+            self._round_lr = [0.0] * len(self.param_groups)
+            self._touched = [[False] * len(b.params) for b in self.buckets]
+            self._round_error, self._round_nonfinite = None, False
+        if self.skipped_steps != skipped:
+            # (only a non-finite residual gets here): every rank restarts the round from the anchor
+            for k, b in enumerate(self.buckets):
+                torch._foreach_copy_([p.detach() for p in b.params], b.views(self._anchor[k]))
+                self._error[k].nan_to_num_(0.0, 0.0, 0.0)
+        if self.check_every and (self.step_count // self.sync_every) % self.check_every == 0:
+            self.check_replicas()
+
+    def _finish(self, step_no, st, outcomes) -> None:
+        if any(o.nonfinite for o in outcomes) and self.nonfinite == "raise":
+            raise FloatingPointError(
+                f"LocalDistributedLion: a rank had inf/NaN gradients in the round ending at step {step_no}; "
+                "no rank applied the round.")
+        check, self.check_every = self.check_every, 0  # (checked per round in _sync)
+        try:
+            super()._finish(step_no, st, outcomes)
+        finally:
+            self.check_every = check
+
+    def _scaled_step(self, closure, scaler):
+        """Under ``torch.amp.GradScaler``: unscale, and skip this rank's local step on an overflow."""
+        record = scaler._per_optimizer_states[id(self)]  # private: pinned by tests/test_misuse.py
+        if record["stage"].name == "READY":
+            scaler.unscale_(self)
+        found = any(bool(f.item()) for f in record["found_inf_per_device"].values())
+        if self.world_size == 1:
+            if found:
+                self.skipped_steps += 1
+                self._tick()
+                return None
+            return self.step(closure)
+        loss = self._evaluate(closure)
+        self._check_frozen()
+        self._inner_step(skip=found)
+        self._tick()
+        if self.step_count % self.sync_every == 0:
+            self._sync_round()
+        return loss
+
+    # -- replicas and checkpoints -------------------------------------------------
+    @contextlib.contextmanager
+    def anchored(self):
+        """Within the block the parameters hold the anchor (identical on every rank); this rank's
+        local parameters come back afterwards."""
+        saved = [[p.detach().clone() for p in b.params] for b in self.buckets]
+        try:
+            with torch.no_grad():
+                for k, b in enumerate(self.buckets):
+                    torch._foreach_copy_([p.detach() for p in b.params], b.views(self._anchor[k]))
+            yield
+        finally:
+            with torch.no_grad():
+                for b, xs in zip(self.buckets, saved):
+                    torch._foreach_copy_([p.detach() for p in b.params], xs)
+
+    @torch.no_grad()
+    def check_replicas(self) -> None:
+        """Raise :class:`dlion.DesyncError` unless the anchor is bitwise identical on every rank
+        (the local parameters differ between syncs by design)."""
+        if self.world_size == 1:
+            return
+        with self.anchored():
+            work, everyone = self._first.issue("all_gather", checksum_table(self._params), "check")
+            work.wait()
+            raise_if_diverged(everyone, self._params, self.world_size, "LocalDistributedLion", self.step_count)
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        if self.world_size > 1:
+            ids = {id(p): i for i, p in enumerate(self._params)}
+            for b in self.buckets:
+                for p in b.params:
+                    sd["state"].setdefault(ids[id(p)], {})["local_param"] = p.detach().clone()
+            sd["dlion"]["local"] = {"sync_every": self.sync_every, "round_lr": list(self._round_lr),
+                                    "touched": [list(t) for t in self._touched],
+                                    "round_nonfinite": self._round_nonfinite}
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As :class:`DistributedLion`, plus the anchor, the residual and this rank's local parameters
+        (a state saved at another world size and merged by :func:`dlion.checkpoint.load`'s policy
+        continues the round from the merged local parameters)."""
+        if self.world_size == 1:
+            return super().load_state_dict(state_dict)
+        extra = state_dict.get("dlion") or {}
+        if "local" not in extra:
+            raise ValueError("LocalDistributedLion cannot load this state: it was not saved by a "
+                             "LocalDistributedLion (no anchor, residuals or round state).")
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        saved = {}  # before torch.optim casts them to the parameter's dtype
+        for p, pid in zip(self._params, ids):
+            st = state_dict["state"].get(pid, {})
+            saved[id(p)] = {n: st[n] for n in ("anchor", "error", "local_param") if isinstance(st.get(n), Tensor)}
+        super().load_state_dict(state_dict)
+        with torch.no_grad():
+            for k, b in enumerate(self.buckets):
+                for p, av, ev in zip(b.params, b.views(self._anchor[k]), b.views(self._error[k])):
+                    s = saved.get(id(p), {})
+                    if "anchor" in s:
+                        av.copy_(s["anchor"].reshape(av.shape))
+                    if "error" in s:
+                        ev.copy_(s["error"].reshape(ev.shape))
+                    else:
+                        ev.zero_()
+                    if "local_param" in s:
+                        p.copy_(s["local_param"].reshape(p.shape))
+                    st = self.state[p]
+                    st["anchor"], st["error"] = av, ev
+                    st.pop("local_param", None)
+        local = extra["local"]
+        if len(local.get("round_lr", [])) == len(self._round_lr):
+            self._round_lr = [float(x) for x in local["round_lr"]]
+        touched = local.get("touched") or []
+        if [len(t) for t in touched] == [len(b.params) for b in self.buckets]:
+            self._touched = [[bool(x) for x in t] for t in touched]
+        else:  # another layout: every parameter counts as touched (a zero residual and x = A abstain anyway)
+            self._touched = [[True] * len(b.params) for b in self.buckets]
+        self._round_nonfinite = bool(local.get("round_nonfinite", False))

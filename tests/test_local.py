@@ -1,0 +1,282 @@
+"""LocalDistributedLion on real Gloo ranks against a literal reference of the local-step vote.
+
+The reference below is written from the rule in the module docstring of ``dlion.local``, line
+by line, with plain tensor operations (the Lion rule as its four lines); it shares no code with
+the library.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+import dlion
+from dlion.lab.spawn import spawn
+from conftest import BETAS, LR, SHAPES, WD, grads_for, init_params
+from test_distributed import WireTap
+
+
+# -- the literal reference --------------------------------------------------------------------
+def lion_literal(x, m, g, lr, betas, wd):
+    x = x * (1 - lr * wd)
+    c = betas[0] * m + (1 - betas[0]) * g
+    x = x - lr * torch.sign(c)
+    m = betas[1] * m + (1 - betas[1]) * g
+    return x, m
+
+
+def reference(world, steps, H, vote="mavo", ef=True, alpha=1.0, dense=False):
+    """Every worker's local parameters after each step, and the anchor after each sync."""
+    x0 = init_params(0)  # rank 0's: the optimizer broadcasts them
+    anchor = [p.clone() for p in x0]
+    xs = [[p.clone() for p in x0] for _ in range(world)]
+    ms = [[torch.zeros_like(p) for p in x0] for _ in range(world)]
+    es = [[torch.zeros_like(p) for p in x0] for _ in range(world)]
+    touched = [[False] * len(x0) for _ in range(world)]
+    S = 0.0
+    anchors = {}
+    for t in range(steps):
+        S += LR
+        for i in range(world):
+            for j, g in enumerate(grads_for(i, t, dense)):
+                if g is not None:
+                    xs[i][j], ms[i][j] = lion_literal(xs[i][j], ms[i][j], g, LR, BETAS, WD)
+                    touched[i][j] = True
+        if (t + 1) % H:
+            continue
+        eta = alpha * S
+        for j in range(len(x0)):
+            cs = [(anchor[j] - xs[i][j]) + (es[i][j] if ef else 0) for i in range(world)]
+            signs = [torch.sign(c) if touched[i][j] else torch.zeros_like(c) for i, c in enumerate(cs)]
+            total = sum(signs)
+            if any(touched[i][j] for i in range(world)):
+                delta = torch.sign(total) if vote == "mavo" else total / world
+                anchor[j] = anchor[j] - eta * delta if vote == "mavo" else anchor[j] - delta * eta
+            for i in range(world):
+                if touched[i][j] and ef:
+                    c = cs[i]
+                    es[i][j] = c - c.abs().mean() * torch.sign(c)
+                xs[i][j] = anchor[j].clone()
+        anchors[t + 1] = [a.clone() for a in anchor]
+        touched = [[False] * len(x0) for _ in range(world)]
+        S = 0.0
+    return anchors, xs
+
+
+# -- the ranks --------------------------------------------------------------------------------
+def local_worker(rank, world, configs):
+    out = []
+    for cfg in configs:
+        params = [p.requires_grad_() for p in init_params(rank)]
+        opt = dlion.LocalDistributedLion(params, lr=LR, betas=BETAS, weight_decay=WD, sync_every=cfg["H"],
+                                         vote=cfg.get("vote", "mavo"), ties=cfg.get("ties", "zero"),
+                                         comm=cfg.get("comm", "1bit"), error_feedback=cfg.get("ef", True),
+                                         outer_scale=cfg.get("alpha", 1.0), seed=3,
+                                         bucket_cap_mb=cfg.get("bucket_cap_mb", 25.0))
+        synced = {}
+        for t in range(cfg["steps"]):
+            for p, g in zip(params, grads_for(rank, t, cfg.get("dense", False))):
+                p.grad = g
+            opt.step()
+            if opt.step_count % cfg["H"] == 0:
+                synced[opt.step_count] = [p.detach().clone() for p in params]
+        out.append(dict(synced=synced, final=[p.detach().clone() for p in params],
+                        stats=opt.comm_stats.state_dict(), step_count=opt.step_count))
+    return out
+
+
+CASES = [dict(H=3, steps=8), dict(H=1, steps=3), dict(H=3, steps=7, vote="avg"), dict(H=2, steps=5, ef=False),
+         dict(H=3, steps=6, alpha=0.5, comm="allgather"), dict(H=4, steps=8, bucket_cap_mb=0.01)]
+
+
+@pytest.mark.parametrize("world", [3, 4, 5])
+def test_equals_the_literal_reference_after_every_sync(world):
+    """N = 3, 4, 5 (odd and even: ties give 0), H = 1 and H > 1, MaVo and Avg, with and without
+    error feedback, abstentions (a parameter with no gradient on odd ranks, one with none anywhere),
+    several buckets: the anchor after every sync equals the reference bitwise on every rank, and
+    each rank's local parameters after an unfinished round equal that worker's reference."""
+    results = spawn(local_worker, world, CASES)
+    for c, cfg in enumerate(CASES):
+        anchors, xs = reference(world, cfg["steps"], cfg["H"], cfg.get("vote", "mavo"), cfg.get("ef", True),
+                                cfg.get("alpha", 1.0))
+        assert sorted(anchors) == sorted(results[0][c]["synced"]), cfg
+        for rank, res in enumerate(results):
+            r = res[c]
+            assert r["step_count"] == cfg["steps"]
+            for t, want in anchors.items():
+                for j, (got, w) in enumerate(zip(r["synced"][t], want)):
+                    assert torch.equal(got, w), (cfg, rank, t, j)
+            for j, (got, w) in enumerate(zip(r["final"], xs[rank])):
+                assert torch.equal(got, w), (cfg, rank, "local", j)
+
+
+def random_ties_worker(rank, world):
+    return local_worker(rank, world, [dict(H=2, steps=6, ties="random", dense=True)])[0]
+
+
+def test_random_ties_keep_every_rank_identical_and_break_ties():
+    world = 4
+    res = spawn(random_ties_worker, world)
+    for r in res[1:]:
+        for t in res[0]["synced"]:
+            assert all(torch.equal(a, b) for a, b in zip(r["synced"][t], res[0]["synced"][t]))
+    anchors, _ = reference(world, 6, 2, dense=True)  # ties 0: some coordinates do not move
+    moved_zero = sum(int((a == b).sum()) for a, b in zip(anchors[2], init_params(0)))
+    moved_random = sum(int((a == b).sum()) for a, b in zip(res[0]["synced"][2], init_params(0)))
+    assert moved_random < moved_zero  # with a coin, tied coordinates move too
+
+
+# -- bytes: once per round, what one every-step step of the same algorithm sends ---------------
+def bytes_worker(rank, world, frozen):
+    torch.manual_seed(0)
+    backbone = torch.nn.Linear(300, 300)
+    head = torch.nn.Linear(300, 20)
+    params = list(head.parameters())
+    if frozen:
+        backbone.requires_grad_(False)
+        params = list(backbone.parameters()) + params
+    tap = WireTap()
+    try:
+        opt = dlion.LocalDistributedLion(params, lr=0.01, weight_decay=0.1, sync_every=5, comm="1bit",
+                                         ties="random")
+        g = torch.Generator().manual_seed(rank)
+        sent_at = []
+        for _ in range(10):
+            opt.zero_grad()
+            head(backbone(torch.randn(4, 300, generator=g))).pow(2).mean().backward()
+            opt.step()
+            sent_at.append(tap.sent)
+    finally:
+        tap.close()
+    return dict(sent_at=sent_at, calls=tap.calls, stats=opt.comm_stats.state_dict(), n=opt.num_params,
+                bits=opt.comm_stats.bits_per_param_per_step(opt.num_params))
+
+
+def test_one_exchange_per_round_frozen_parameters_free():
+    world = 3
+    plain, frozen = spawn(bytes_worker, world, False), spawn(bytes_worker, world, True)
+    trainable = 300 * 20 + 20
+    for res in (plain, frozen):
+        r = res[0]
+        assert r["n"] == trainable
+        # nothing between syncs: the tap moves only on steps 5 and 10 (after the construction checks)
+        s = r["sent_at"]
+        assert s[0] == s[1] == s[2] == s[3] and s[5] == s[6] == s[7] == s[8]
+        assert s[4] > s[3] and s[9] > s[8]
+        per_round = s[9] - s[8]
+        # one all-to-all of 1-bit signs and one all-gather of 1-bit votes over the trainable part,
+        # plus a header per block: (1 + 1)(N−1)/N bits per parameter
+        bound = 2 * trainable / 8 * (world - 1) / world
+        assert bound <= per_round <= 1.05 * bound + 2 * 64 * world, per_round
+        assert r["stats"]["steps"] == 10
+    assert frozen[0]["sent_at"][9] - frozen[0]["sent_at"][8] == plain[0]["sent_at"][9] - plain[0]["sent_at"][8]
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+def ckpt_worker(rank, world, path, phase, stop, total):
+    from dlion import checkpoint
+    params = [p.requires_grad_() for p in init_params(rank)]
+    model = torch.nn.Module()
+    for j, p in enumerate(params):
+        model.register_parameter(f"p{j}", torch.nn.Parameter(p.detach().clone()))
+    params = list(model.parameters())
+    opt = dlion.LocalDistributedLion(model.named_parameters(), lr=LR, betas=BETAS, weight_decay=WD, sync_every=3,
+                                     comm="1bit")
+    start = 0
+    if phase == "resume":
+        info = checkpoint.load(path, model, opt)
+        start = info.step
+    for t in range(start, total):
+        for p, g in zip(params, grads_for(rank % 3, t, False)):
+            p.grad = None if g is None else g.clone()
+        opt.step()
+        if phase == "save" and t + 1 == stop:
+            before = [p.detach().clone() for p in params]
+            checkpoint.save(path, model, opt, step=stop)
+            assert all(torch.equal(a, b) for a, b in zip(before, params))  # saving changes nothing
+    return [p.detach().clone() for p in params], opt.step_count
+
+
+def test_checkpoint_mid_round_resumes_bitwise_and_at_another_world_size(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    world = 3
+    full = spawn(ckpt_worker, world, path, "save", 4, 10)  # saved at step 4: one step into a round
+    resumed = spawn(ckpt_worker, world, path, "resume", 4, 10)
+    for (a, n), (b, m) in zip(full, resumed):
+        assert n == m == 10
+        assert all(torch.equal(x, y) for x, y in zip(a, b))  # local parameters too, mid-round
+    # another world size: loads (momenta, residuals and local parameters merged), and the ranks agree
+    other = spawn(ckpt_worker, 2, path, "resume", 4, 9)
+    assert all(torch.equal(x, y) for x, y in zip(other[0][0], other[1][0]))
+
+
+# -- misuse ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(sync_every=0), "sync_every"), (dict(sync_every=2.0), "sync_every"), (dict(outer_scale=0), "outer_scale"),
+    (dict(outer_scale=float("inf")), "outer_scale"), (dict(error_feedback=1), "error_feedback"),
+])
+def test_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        dlion.LocalDistributedLion([torch.zeros(3, requires_grad=True)], **kwargs)
+
+
+def test_without_process_group_it_is_plain_lion():
+    a = torch.randn(5, requires_grad=True)
+    b = a.detach().clone().requires_grad_()
+    opt = dlion.LocalDistributedLion([a], lr=0.1, weight_decay=0.1, sync_every=2)
+    ref = dlion.Lion([b], lr=0.1, weight_decay=0.1)
+    for t in range(5):
+        g = torch.randn(5, generator=torch.Generator().manual_seed(t))
+        a.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    assert torch.equal(a, b) and opt.step_count == 5
+
+
+def failing_worker(rank, world, kind):
+    params = [p.requires_grad_() for p in init_params(rank)]
+    opt = dlion.LocalDistributedLion(params, lr=LR, betas=BETAS, weight_decay=WD, sync_every=3,
+                                     nonfinite="raise" if kind == "raise" else "skip")
+    for t in range(3):
+        for p, g in zip(params, grads_for(rank, t, True)):
+            p.grad = g
+        if t == 1 and rank == 1:
+            if kind == "sparse":
+                params[0].grad = params[0].grad.to_sparse()
+            elif kind == "lr":
+                opt.param_groups[0]["lr"] = 2 * LR
+            else:
+                params[0].grad[0, 0] = float("inf")
+        try:
+            opt.step()
+        except Exception as e:
+            return type(e).__name__, str(e), [p.detach().clone() for p in params], None
+    return None, None, None, [p.detach().clone() for p in params]
+
+
+@pytest.mark.parametrize("kind, error, message", [
+    ("sparse", ("ValueError", "RuntimeError"), "sparse|rejected"),
+    ("lr", ("ValueError",), "disagree"),
+    ("raise", ("FloatingPointError",), "inf/NaN"),
+])
+def test_a_bad_round_on_one_rank_raises_on_every_rank_at_the_sync_and_applies_nothing(kind, error, message):
+    import re
+    # what rank 0 holds without any sync: its three local Lion steps from the broadcast parameters
+    local = init_params(0)
+    ms = [torch.zeros_like(p) for p in local]
+    for t in range(3):
+        for j, g in enumerate(grads_for(0, t, True)):
+            local[j], ms[j] = lion_literal(local[j], ms[j], g, LR, BETAS, WD)
+    for rank, (name, msg, params, _) in enumerate(spawn(failing_worker, 3, kind, timeout_s=60)):
+        assert name in error and re.search(message, msg), (rank, name, msg)
+        if rank == 0:  # the outer update was applied nowhere: rank 0 keeps its local progress as it was
+            assert all(torch.equal(a, b) for a, b in zip(params, local))
+
+
+def test_inf_gradients_on_one_rank_skip_its_local_step_and_the_ranks_agree_after_the_sync():
+    res = spawn(failing_worker, 3, "inf")
+    for name, _, _, params in res:
+        assert name is None
+    for a, b in zip(res[0][3], res[1][3]):
+        assert torch.equal(a, b) and bool(torch.isfinite(a).all())
