@@ -64,12 +64,61 @@ def reference(world, steps, H, vote="mavo", ef=True, alpha=1.0, dense=False):
     return anchors, xs
 
 
+def reference_streaming(world, steps, H, vote="mavo", ef=True, alpha=1.0):
+    """Streaming: round r's vote is applied at the end of round r + 1, replacing each worker's own
+    progress of round r; returns the anchor after each round's end and every worker's parameters
+    at the end (before any flush)."""
+    x0 = init_params(0)
+    anchor = [p.clone() for p in x0]
+    xs = [[p.clone() for p in x0] for _ in range(world)]
+    ms = [[torch.zeros_like(p) for p in x0] for _ in range(world)]
+    es = [[torch.zeros_like(p) for p in x0] for _ in range(world)]
+    starts = [[p.clone() for p in x0] for _ in range(world)]
+    progress = [[torch.zeros_like(p) for p in x0] for _ in range(world)]
+    touched = [[False] * len(x0) for _ in range(world)]
+    pending, S, anchors = None, 0.0, {}
+    for t in range(steps):
+        S += LR
+        for i in range(world):
+            for j, g in enumerate(grads_for(i, t, False)):
+                if g is not None:
+                    xs[i][j], ms[i][j] = lion_literal(xs[i][j], ms[i][j], g, LR, BETAS, WD)
+                    touched[i][j] = True
+        if (t + 1) % H:
+            continue
+        ds = [[starts[i][j] - xs[i][j] for j in range(len(x0))] for i in range(world)]
+        if pending is not None:  # the round in flight: the agreed step replaces each worker's own
+            delta, eta, active = pending
+            for j in range(len(x0)):
+                new = anchor[j] - eta * delta[j] if active[j] else anchor[j]
+                for i in range(world):
+                    xs[i][j] = new + ((xs[i][j] - anchor[j]) + progress[i][j])
+                anchor[j] = new
+        starts = [[x.clone() for x in xs[i]] for i in range(world)]
+        delta, active = [], []
+        for j in range(len(x0)):
+            cs = [ds[i][j] + (es[i][j] if ef else 0) for i in range(world)]
+            signs = [torch.sign(c) if touched[i][j] else torch.zeros_like(c) for i, c in enumerate(cs)]
+            delta.append(torch.sign(sum(signs)))
+            active.append(any(touched[i][j] for i in range(world)))
+            for i in range(world):
+                progress[i][j] = ds[i][j]
+                if touched[i][j] and ef:
+                    es[i][j] = cs[i] - cs[i].abs().mean() * torch.sign(cs[i])
+        pending = (delta, alpha * S, active)
+        anchors[t + 1] = [a.clone() for a in anchor]
+        touched = [[False] * len(x0) for _ in range(world)]
+        S = 0.0
+    return anchors, xs
+
+
 # -- the ranks --------------------------------------------------------------------------------
 def local_worker(rank, world, configs):
     out = []
     for cfg in configs:
         params = [p.requires_grad_() for p in init_params(rank)]
         opt = dlion.LocalDistributedLion(params, lr=LR, betas=BETAS, weight_decay=WD, sync_every=cfg["H"],
+                                         streaming=cfg.get("streaming", False),
                                          vote=cfg.get("vote", "mavo"), ties=cfg.get("ties", "zero"),
                                          comm=cfg.get("comm", "1bit"), error_feedback=cfg.get("ef", True),
                                          outer_scale=cfg.get("alpha", 1.0), seed=3,
@@ -80,7 +129,11 @@ def local_worker(rank, world, configs):
                 p.grad = g
             opt.step()
             if opt.step_count % cfg["H"] == 0:
-                synced[opt.step_count] = [p.detach().clone() for p in params]
+                if cfg.get("streaming"):
+                    with opt.anchored():
+                        synced[opt.step_count] = [p.detach().clone() for p in params]
+                else:
+                    synced[opt.step_count] = [p.detach().clone() for p in params]
         out.append(dict(synced=synced, final=[p.detach().clone() for p in params],
                         stats=opt.comm_stats.state_dict(), step_count=opt.step_count))
     return out
@@ -109,6 +162,25 @@ def test_equals_the_literal_reference_after_every_sync(world):
                     assert torch.equal(got, w), (cfg, rank, t, j)
             for j, (got, w) in enumerate(zip(r["final"], xs[rank])):
                 assert torch.equal(got, w), (cfg, rank, "local", j)
+
+
+STREAMING = [dict(H=3, steps=11, streaming=True), dict(H=1, steps=4, streaming=True),
+             dict(H=2, steps=8, streaming=True, ef=False, bucket_cap_mb=0.01)]
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_streaming_equals_its_literal_reference(world):
+    """streaming=True: round r's exchange runs during round r + 1 and its vote replaces each rank's own
+    progress of round r at the end of round r + 1; anchors after every round's end and the local
+    parameters at the end equal the reference bitwise on every rank."""
+    results = spawn(local_worker, world, STREAMING)
+    for c, cfg in enumerate(STREAMING):
+        anchors, xs = reference_streaming(world, cfg["steps"], cfg["H"], ef=cfg.get("ef", True))
+        for rank, res in enumerate(results):
+            r = res[c]
+            for t, want in anchors.items():
+                assert all(torch.equal(a, b) for a, b in zip(r["synced"][t], want)), (cfg, rank, t)
+            assert all(torch.equal(a, b) for a, b in zip(r["final"], xs[rank])), (cfg, rank)
 
 
 def random_ties_worker(rank, world):
@@ -174,7 +246,7 @@ def test_one_exchange_per_round_frozen_parameters_free():
 
 
 # -- checkpoints ------------------------------------------------------------------------------
-def ckpt_worker(rank, world, path, phase, stop, total):
+def ckpt_worker(rank, world, path, phase, stop, total, streaming=False):
     from dlion import checkpoint
     params = [p.requires_grad_() for p in init_params(rank)]
     model = torch.nn.Module()
@@ -182,7 +254,7 @@ def ckpt_worker(rank, world, path, phase, stop, total):
         model.register_parameter(f"p{j}", torch.nn.Parameter(p.detach().clone()))
     params = list(model.parameters())
     opt = dlion.LocalDistributedLion(model.named_parameters(), lr=LR, betas=BETAS, weight_decay=WD, sync_every=3,
-                                     comm="1bit")
+                                     comm="1bit", streaming=streaming)
     start = 0
     if phase == "resume":
         info = checkpoint.load(path, model, opt)
@@ -209,6 +281,14 @@ def test_checkpoint_mid_round_resumes_bitwise_and_at_another_world_size(tmp_path
     # another world size: loads (momenta, residuals and local parameters merged), and the ranks agree
     other = spawn(ckpt_worker, 2, path, "resume", 4, 9)
     assert all(torch.equal(x, y) for x, y in zip(other[0][0], other[1][0]))
+
+
+def test_streaming_checkpoint_with_a_round_in_flight_resumes_bitwise(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    full = spawn(ckpt_worker, 3, path, "save", 7, 13, True)  # a round in flight, one step into the next
+    resumed = spawn(ckpt_worker, 3, path, "resume", 7, 13, True)
+    for (a, n), (b, m) in zip(full, resumed):
+        assert n == m == 13 and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 # -- misuse ------------------------------------------------------------------------------------

@@ -88,7 +88,7 @@ class _Step:
 
     def __init__(self, opt: "DistributedLion"):
         self.pipeline = Pipeline(len(opt.buckets), opt._first, opt._second,
-                                 threaded=opt.overlap or bool(opt.delay),
+                                 threaded=opt._threaded,
                                  device=opt.buckets[0].device if opt.buckets else None)
         self.present: list = [None] * len(opt.buckets)
         self.finite = [False] * len(opt.buckets)  # this rank's gradients of bucket k were all finite
@@ -235,6 +235,8 @@ class DistributedLion(Lion):
         self.check_every, self.nonfinite, self.sign_hook = check_every, nonfinite, sign_hook
         self.bucket_cap_mb = list(bucket_cap_mb) if isinstance(bucket_cap_mb, (list, tuple)) else bucket_cap_mb
         self.delay = delay
+        #: the exchange runs on a thread of its own (overlap, delay, or a subclass that streams)
+        self._threaded = overlap or bool(delay) or bool(getattr(self, "streaming", False))
         self.comm_stats = CommStats()
         #: completed ``step()`` calls, skipped ones included: keys the tie coins and the momentum-sync
         #: schedule (``comm_stats`` only counts traffic and may be reset by the user)
@@ -280,7 +282,7 @@ class DistributedLion(Lion):
             self._first = GroupTransport(process_group, self.comm_stats)
             # Hooks issue first collectives during backward; the later ones of each bucket go on a
             # second group, in bucket order, so the two streams can never interleave differently.
-            second = dist.new_group(backend=None) if ((overlap or delay) and process_group is None) else None
+            second = dist.new_group(backend=None) if (self._threaded and process_group is None) else None
             self._second = GroupTransport(second, self.comm_stats) if second is not None else self._first
             if overlap:
                 self._register_hooks()

@@ -78,6 +78,7 @@ class LocalDistributedLion(DistributedLion):
         sync_every: int = 10,
         outer_scale: float = 1.0,
         error_feedback: bool = True,
+        streaming: bool = False,
         vote: str = "mavo",
         ties: str = "zero",
         process_group=None,
@@ -101,7 +102,10 @@ class LocalDistributedLion(DistributedLion):
             raise ValueError(f"outer_scale must be a number > 0, got {outer_scale!r}")
         if not isinstance(error_feedback, bool):
             raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
+        if not isinstance(streaming, bool):
+            raise ValueError(f"streaming must be True or False, got {streaming!r}")
         self.sync_every, self.outer_scale, self.error_feedback = sync_every, float(outer_scale), error_feedback
+        self.streaming = streaming  # (read by DistributedLion.__init__: the exchange gets a thread and a group)
         super().__init__(params, lr, betas, weight_decay, vote=vote, ties=ties, process_group=process_group,
                          comm=comm, aggregate=aggregate, quant_norm=quant_norm, quant_bits=quant_bits,
                          bucket_cap_mb=bucket_cap_mb, seed=seed, check_every=check_every, nonfinite=nonfinite,
@@ -113,6 +117,11 @@ class LocalDistributedLion(DistributedLion):
         self._touched = [[False] * len(b.params) for b in self.buckets]
         #: per parameter group: S, the lr summed over the round's steps so far
         self._round_lr = [0.0] * len(self.param_groups)
+        #: per parameter group: S of the round being exchanged (its outer step is α·S)
+        self._flight_lr = [0.0] * len(self.param_groups)
+        #: streaming: per bucket, where this rank's round started, and its progress in the round in flight
+        self._start = [b.flat(b.params[0].dtype) for b in self.buckets] if streaming else []
+        self._progress = [b.flat() for b in self.buckets] if streaming else []
         self._round_error: Optional[Exception] = None
         self._round_nonfinite = False
         for b, a, e in zip(self.buckets, self._anchor, self._error):
@@ -120,10 +129,15 @@ class LocalDistributedLion(DistributedLion):
             for p, av, ev in zip(b.params, b.views(a), b.views(e)):
                 self.state[p]["anchor"] = av
                 self.state[p]["error"] = ev
+        for k, b in enumerate(self.buckets if streaming else []):
+            self._start[k].copy_(self._anchor[k])
+            for p, sv, dv in zip(b.params, b.views(self._start[k]), b.views(self._progress[k])):
+                self.state[p]["round_start"] = sv
+                self.state[p]["progress_in_flight"] = dv
 
     # -- what differs from every-step D-Lion ----------------------------------------
     def _config(self) -> tuple:
-        return super()._config() + (self.sync_every, self.outer_scale, self.error_feedback)
+        return super()._config() + (self.sync_every, self.outer_scale, self.error_feedback, self.streaming)
 
     def _count_step(self) -> None:
         """The sync does not count a step: every local step already did (:meth:`_tick`)."""
@@ -134,7 +148,7 @@ class LocalDistributedLion(DistributedLion):
 
     def _outer_lr(self, group: dict) -> float:
         i = next(i for i, g in enumerate(self.param_groups) if g is group)
-        return self.outer_scale * self._round_lr[i]
+        return self.outer_scale * self._flight_lr[i]
 
     def _digest(self, group: dict) -> int:
         """The outer step α·S, β and weight decay must agree on every rank (e.g. one rank's lr schedule ahead)."""
@@ -155,15 +169,9 @@ class LocalDistributedLion(DistributedLion):
         values.zero_()
         if not any(present):
             return values, present, True
-        c = buf.grad  # (unused by local rounds otherwise)
-        xs = [p.detach() for p in b.params]
-        if b.low_precision:
-            xs = [x.float() for x in xs]
-            anchors = [a.float() for a in b.views(self._anchor[k])]
-        else:
-            anchors = b.views(self._anchor[k])
-        torch._foreach_copy_(buf.grad_views, anchors)
-        torch._foreach_sub_(buf.grad_views, xs)
+        c = buf.grad  # this round's progress d (written by _measure_progress), then e + d
+        if self.streaming:
+            self._progress[k].copy_(c)  # (its own progress, replaced by the agreed step one round later)
         if self.error_feedback:
             c.add_(self._error[k])
         finite = _all_finite(c) and not self._round_nonfinite
@@ -177,13 +185,41 @@ class LocalDistributedLion(DistributedLion):
         for j, ok in enumerate(present):
             if not ok:
                 out[b.offsets[j]:b.offsets[j] + b.sizes[j]].zero_()
+        if self.streaming:  # the residual now: c is overwritten by the next round before Δ is back
+            self._update_residual(k, present)
         return values, present, finite
+
+    def _measure_progress(self, origin: list[Tensor]) -> None:
+        """d = origin − x per bucket, in the work dtype, into each bucket's gradient buffer."""
+        for k, b in enumerate(self.buckets):
+            xs = [p.detach() for p in b.params]
+            starts = b.views(origin[k])
+            if b.low_precision:
+                xs, starts = [x.float() for x in xs], [a.float() for a in starts]
+            views = self._buffers[k].grad_views
+            torch._foreach_copy_(views, starts)
+            torch._foreach_sub_(views, xs)
+
+    def _update_residual(self, k: int, present: list[bool]) -> None:
+        """e ← c − mean(|c|)·sign(c) per parameter this rank took part with (c = e + d)."""
+        b, buf = self.buckets[k], self._buffers[k]
+        if not self.error_feedback:
+            return
+        for j, ok in enumerate(present):
+            if ok:
+                c = buf.grad_views[j]
+                b.views(self._error[k])[j].copy_(c - c.abs().mean() * torch.sign(c))
 
     def _apply(self, k: int, b: Bucket, o, present: list[bool]) -> None:
         """x ← A − α·S·Δ on the parameters some rank touched (A elsewhere: x = A there already on
         every rank but this one's untouched, unchanged ones), A ← x, and this rank's new residual."""
         buf, group = self._buffers[k], b.group
         ps = [p.detach() for p in b.params]
+        if self.streaming:  # keep what this rank did since the round in flight ended: s ← x − A + d
+            rest = b.views(self._start[k])
+            torch._foreach_copy_(rest, ps)
+            torch._foreach_sub_(rest, b.views(self._anchor[k]))
+            torch._foreach_add_(rest, b.views(self._progress[k]))
         torch._foreach_copy_(ps, b.views(self._anchor[k]))
         active = o.has_grad.tolist()
         if any(active):
@@ -196,13 +232,10 @@ class LocalDistributedLion(DistributedLion):
                 last.copy_(o.codes)
             else:
                 last.zero_()
-        for j, ok in enumerate(present):
-            if not ok:
-                continue
-            c, e = buf.grad_views[j], b.views(self._error[k])[j]
-            if self.error_feedback:
-                e.copy_(c - c.abs().mean() * torch.sign(c))
-            # (without error feedback e stays 0)
+        if self.streaming:  # x ← A + s: the agreed step replaces this rank's own progress of that round
+            torch._foreach_add_(ps, b.views(self._start[k]))
+        else:
+            self._update_residual(k, present)
 
     # -- the step ----------------------------------------------------------------
     @torch.no_grad()
@@ -220,8 +253,14 @@ class LocalDistributedLion(DistributedLion):
         self._inner_step()
         self._tick()
         if self.step_count % self.sync_every == 0:
-            self._sync_round()
+            self._end_round()
         return loss
+
+    def _end_round(self) -> None:
+        if self.streaming:
+            self._stream_round()
+        else:
+            self._sync_round()
 
     def _inner_step(self, skip: bool = False) -> None:
         """One local Lion step on this rank's parameters, unless its gradients are invalid or non-finite."""
@@ -251,7 +290,9 @@ class LocalDistributedLion(DistributedLion):
 
     def _sync_round(self) -> None:
         skipped = self.skipped_steps
+        self._flight_lr = list(self._round_lr)
         try:
+            self._measure_progress(self._anchor)
             self._exchange(self.step_count)
         finally:
             self._round_lr = [0.0] * len(self.param_groups)
@@ -262,6 +303,29 @@ class LocalDistributedLion(DistributedLion):
             for k, b in enumerate(self.buckets):
                 torch._foreach_copy_([p.detach() for p in b.params], b.views(self._anchor[k]))
                 self._error[k].nan_to_num_(0.0, 0.0, 0.0)
+        if self.check_every and (self.step_count // self.sync_every) % self.check_every == 0:
+            self.check_replicas()
+
+    def _stream_round(self) -> None:
+        """Streaming: this round's progress is measured, the round in flight is applied (its Δ was
+        exchanged during this round), and this round's exchange starts on the exchange thread."""
+        self._measure_progress(self._start)
+        self.flush()
+        for k, b in enumerate(self.buckets):  # the next round starts here
+            torch._foreach_copy_(b.views(self._start[k]), [p.detach() for p in b.params])
+        self._flight_lr = list(self._round_lr)
+        from .distributed import _Step
+        st = self._step = _Step(self)
+        try:
+            for pending in st.pending:
+                pending.clear()
+            self._issue_ready(self.step_count)
+        finally:
+            self._step = None
+            self._round_lr = [0.0] * len(self.param_groups)
+            self._touched = [[False] * len(b.params) for b in self.buckets]
+            self._round_error, self._round_nonfinite = None, False
+        self._in_flight = (self.step_count, st, None)
         if self.check_every and (self.step_count // self.sync_every) % self.check_every == 0:
             self.check_replicas()
 
@@ -293,8 +357,15 @@ class LocalDistributedLion(DistributedLion):
         self._inner_step(skip=found)
         self._tick()
         if self.step_count % self.sync_every == 0:
-            self._sync_round()
+            self._end_round()
         return loss
+
+    def _load_pending(self, pending: dict) -> None:
+        """Streaming: the round in flight when the state was saved is applied by the next round's end."""
+        if int(pending["divisor"]) != (self.world_size if self.rule.vote == "avg" else 1):
+            raise ValueError("LocalDistributedLion(streaming=True, vote='avg') cannot resume a round in flight at "
+                             "another world size (its codes are sums over the saved ranks); resume at the saved size.")
+        super()._load_pending(pending)
 
     # -- replicas and checkpoints -------------------------------------------------
     @contextlib.contextmanager
@@ -331,6 +402,7 @@ class LocalDistributedLion(DistributedLion):
                 for p in b.params:
                     sd["state"].setdefault(ids[id(p)], {})["local_param"] = p.detach().clone()
             sd["dlion"]["local"] = {"sync_every": self.sync_every, "round_lr": list(self._round_lr),
+                                    "flight_lr": list(self._flight_lr), "streaming": self.streaming,
                                     "touched": [list(t) for t in self._touched],
                                     "round_nonfinite": self._round_nonfinite}
         return sd
@@ -349,7 +421,8 @@ class LocalDistributedLion(DistributedLion):
         saved = {}  # before torch.optim casts them to the parameter's dtype
         for p, pid in zip(self._params, ids):
             st = state_dict["state"].get(pid, {})
-            saved[id(p)] = {n: st[n] for n in ("anchor", "error", "local_param") if isinstance(st.get(n), Tensor)}
+            saved[id(p)] = {n: st[n] for n in ("anchor", "error", "local_param", "round_start", "progress_in_flight")
+                            if isinstance(st.get(n), Tensor)}
         super().load_state_dict(state_dict)
         with torch.no_grad():
             for k, b in enumerate(self.buckets):
@@ -366,9 +439,19 @@ class LocalDistributedLion(DistributedLion):
                     st = self.state[p]
                     st["anchor"], st["error"] = av, ev
                     st.pop("local_param", None)
+            for k, b in enumerate(self.buckets if self.streaming else []):
+                for p, sv, dv in zip(b.params, b.views(self._start[k]), b.views(self._progress[k])):
+                    s = saved.get(id(p), {})
+                    sv.copy_(s["round_start"].reshape(sv.shape) if "round_start" in s else self.state[p]["anchor"])
+                    if "progress_in_flight" in s:
+                        dv.copy_(s["progress_in_flight"].reshape(dv.shape))
+                    else:
+                        dv.zero_()
+                    self.state[p]["round_start"], self.state[p]["progress_in_flight"] = sv, dv
         local = extra["local"]
         if len(local.get("round_lr", [])) == len(self._round_lr):
             self._round_lr = [float(x) for x in local["round_lr"]]
+            self._flight_lr = [float(x) for x in local.get("flight_lr", self._flight_lr)]
         touched = local.get("touched") or []
         if [len(t) for t in touched] == [len(b.params) for b in self.buckets]:
             self._touched = [[bool(x) for x in t] for t in touched]
