@@ -373,12 +373,14 @@ class LocalDistributedLion(DistributedLion):
         """Within the block the parameters hold the anchor (identical on every rank); this rank's
         local parameters come back afterwards."""
         saved = [[p.detach().clone() for p in b.params] for b in self.buckets]
+        outer, self._held_locals = getattr(self, "_held_locals", None), saved  # (state_dict() inside the block)
         try:
             with torch.no_grad():
                 for k, b in enumerate(self.buckets):
                     torch._foreach_copy_([p.detach() for p in b.params], b.views(self._anchor[k]))
             yield
         finally:
+            self._held_locals = outer
             with torch.no_grad():
                 for b, xs in zip(self.buckets, saved):
                     torch._foreach_copy_([p.detach() for p in b.params], xs)
@@ -398,9 +400,11 @@ class LocalDistributedLion(DistributedLion):
         sd = super().state_dict()
         if self.world_size > 1:
             ids = {id(p): i for i, p in enumerate(self._params)}
-            for b in self.buckets:
-                for p in b.params:
-                    sd["state"].setdefault(ids[id(p)], {})["local_param"] = p.detach().clone()
+            held = getattr(self, "_held_locals", None)  # inside anchored(): the local parameters it holds back
+            for k, b in enumerate(self.buckets):
+                for j, p in enumerate(b.params):
+                    local = held[k][j] if held is not None else p.detach()
+                    sd["state"].setdefault(ids[id(p)], {})["local_param"] = local.clone()
             sd["dlion"]["local"] = {"sync_every": self.sync_every, "round_lr": list(self._round_lr),
                                     "flight_lr": list(self._flight_lr), "streaming": self.streaming,
                                     "touched": [list(t) for t in self._touched],

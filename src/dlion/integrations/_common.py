@@ -4,6 +4,8 @@ adapters override are still there."""
 
 from __future__ import annotations
 
+import contextlib
+
 import inspect
 import os
 import tempfile
@@ -72,6 +74,18 @@ def unwrap_optimizer(opt: Any) -> Any:
             break
         opt, seen = inner, seen + 1
     return opt
+
+
+def anchored(*optimizers: Any):
+    """Within the block, the parameters of every :class:`dlion.LocalDistributedLion` among
+    ``optimizers`` hold the anchor the ranks agree on (its ranks train local copies between
+    syncs); a no-op for every other optimizer. For evaluating and saving the model."""
+    stack = contextlib.ExitStack()
+    for opt in optimizers:
+        inner = unwrap_optimizer(opt)
+        if hasattr(inner, "anchored") and getattr(inner, "world_size", 1) > 1:
+            stack.enter_context(inner.anchored())
+    return stack
 
 
 def require_dlion(opt: Any, where: str) -> DistributedLion:

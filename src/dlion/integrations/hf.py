@@ -60,7 +60,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.training_args import ParallelMode
 
 from ..distributed import DistributedLion
-from ._common import (CommMeter, check_version, load_rank_state, rank_state_exists_everywhere, require_dlion,
+from ._common import (CommMeter, anchored, check_version, load_rank_state, rank_state_exists_everywhere, require_dlion,
                       require_method, save_rank_state)
 
 __all__ = ["DLionTrainer", "ApplyDelayedStep", "OVERRIDDEN"]
@@ -72,6 +72,8 @@ OVERRIDDEN = {
     "_save_optimizer_and_scheduler": ["self", "output_dir"],
     "_load_optimizer_and_scheduler": ["self", "checkpoint"],
     "log": ["self", "logs", "start_time"],
+    "save_model": ["self", "output_dir", "_internal_call"],
+    "evaluate": ["self", "eval_dataset", "ignore_keys", "metric_key_prefix"],
 }
 
 check_version("transformers")
@@ -170,6 +172,17 @@ class DLionTrainer(Trainer):
             model = self.accelerator.prepare_model(model, evaluation_mode=True)
             model.no_sync = self.dlion_optimizer.no_sync
         return model
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False):
+        """Saves the parameters the ranks agree on (with :class:`dlion.LocalDistributedLion`, the
+        anchor: between syncs every rank trains its own copy, kept in its optimizer state)."""
+        with anchored(self.optimizer):
+            return super().save_model(output_dir, _internal_call)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        """Evaluates the parameters the ranks agree on (the anchor of a LocalDistributedLion)."""
+        with anchored(self.optimizer):
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         save_rank_state(output_dir, self.dlion_optimizer)  # every rank, its own file (collective)

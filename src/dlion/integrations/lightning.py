@@ -62,7 +62,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ..distributed import DistributedLion
-from ._common import CommMeter, to_cpu, broadcast_buffers, check_version, require_dlion, require_method
+from ._common import CommMeter, anchored, to_cpu, broadcast_buffers, check_version, require_dlion, require_method
 
 __all__ = ["DLionStrategy", "CommLogger", "OVERRIDDEN", "register"]
 
@@ -74,6 +74,7 @@ OVERRIDDEN = {
     "save_checkpoint": ["self", "checkpoint", "filepath", "storage_options"],
     "load_optimizer_state_dict": ["self", "checkpoint"],
     "on_validation_start": ["self"],
+    "on_validation_end": ["self"],
     "on_train_end": ["self"],
 }
 
@@ -127,7 +128,16 @@ class DLionStrategy(DDPStrategy):
 
     def on_validation_start(self) -> None:
         self._flush()
+        # LocalDistributedLion: validate the anchor the ranks agree on, not each rank's local copy
+        self._anchor_stack = anchored(*self.dlion_optimizers())
+        self._anchor_stack.__enter__()
         super().on_validation_start()
+
+    def on_validation_end(self) -> None:
+        stack, self._anchor_stack = getattr(self, "_anchor_stack", None), None
+        if stack is not None:
+            stack.close()
+        super().on_validation_end()
 
     def on_train_end(self) -> None:
         self._flush()
@@ -157,7 +167,8 @@ class DLionStrategy(DDPStrategy):
                 # Rank 0's entry is the very object in "optimizer_states": torch.save stores its tensors once.
                 everyone[0] = checkpoint["optimizer_states"] = mine
                 checkpoint[CHECKPOINT_KEY] = {"world_size": self.world_size, "optimizer_states": everyone}
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        with anchored(*self.optimizers):  # the model as the anchor (its tensors share the parameters' storage)
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
         """Rank r loads the optimizer states that rank r saved."""
