@@ -327,7 +327,7 @@ def failing_worker(rank, world, kind):
             elif kind == "lr":
                 opt.param_groups[0]["lr"] = 2 * LR
             else:
-                params[0].grad[0, 0] = float("inf")
+                params[0].grad[0, 0] = float("nan") if kind == "nan" else float("inf")
         try:
             opt.step()
         except Exception as e:
@@ -354,9 +354,32 @@ def test_a_bad_round_on_one_rank_raises_on_every_rank_at_the_sync_and_applies_no
             assert all(torch.equal(a, b) for a, b in zip(params, local))
 
 
-def test_inf_gradients_on_one_rank_skip_its_local_step_and_the_ranks_agree_after_the_sync():
-    res = spawn(failing_worker, 3, "inf")
+@pytest.mark.parametrize("kind", ["inf", "nan"])
+def test_nonfinite_gradients_on_one_rank_skip_its_local_step_and_the_ranks_agree_after_the_sync(kind):
+    res = spawn(failing_worker, 3, kind)
     for name, _, _, params in res:
         assert name is None
     for a, b in zip(res[0][3], res[1][3]):
         assert torch.equal(a, b) and bool(torch.isfinite(a).all())
+
+
+def scaler_worker(rank, world):
+    params = [p.requires_grad_() for p in init_params(rank)]
+    opt = dlion.LocalDistributedLion(params, lr=LR, betas=BETAS, weight_decay=WD, sync_every=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    for t in range(4):
+        scaler.scale(torch.ones(()))  # (what scaler.scale(loss).backward() would set up)
+        for p, g in zip(params, grads_for(rank, t, True)):
+            p.grad = g * scaler.get_scale()
+        if t == 2 and rank == 1:
+            params[0].grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+    return [p.detach().clone() for p in params], opt.skipped_steps, scaler.get_scale(), opt.step_count
+
+
+def test_gradscaler_skips_one_ranks_overflowing_local_step_only():
+    res = spawn(scaler_worker, 2)
+    (p0, skipped0, scale0, n0), (p1, skipped1, scale1, n1) = res
+    assert (skipped0, skipped1) == (0, 1) and scale1 == scale0 / 2 and n0 == n1 == 4
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))  # step 4 ends a round: the ranks agree
