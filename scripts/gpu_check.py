@@ -41,14 +41,13 @@ import sys
 import time
 import traceback
 
-import numpy as np
 import torch
 
 import dlion
 import dlion.simulate as simulate_module
 from dlion import bitvote, kernels
 from dlion.aggregation import VoteRule
-from dlion.algorithms import Contribution, OneBit, row_sum
+from dlion.algorithms import Contribution, OneBit
 from dlion.buckets import RankBuffers, Scratch, apply_codes, contribute, layout_buckets
 from dlion.codec import SignCodec
 from dlion.simulate import SimulatedDistributedLion

@@ -191,55 +191,6 @@ def test_simulated_cuda_equals_cpu_probe(cfg, world):
     check_sim_equal(world, cfg)
 
 
-# -- real Gloo ranks on one GPU -----------------------------------------------------------
-
-REAL_SHAPES = [(16, 16), (40,), (3, 7), (1,)]
-REAL_STEPS = 3
-
-
-def real_grads(rank: int, step: int):
-    g = torch.Generator().manual_seed(500 + 10 * rank + step)
-    grads = [torch.randn(s, generator=g) for s in REAL_SHAPES]
-    if rank == 1:
-        grads[2] = None  # rank 1 abstains on a whole parameter
-    grads[0].view(-1)[:9] = 0.0  # zero runs on every rank (c = 0 at step 0, then the momentum moves it)
-    return grads
-
-
-def real_ranks_worker(rank, world, comm, device):
-    """One Gloo rank with its parameters and gradients on cuda:0 (both ranks share the GPU)."""
-    if device == "cuda":
-        torch.cuda.set_device(0)
-    params = [p.to(device).requires_grad_() for p in init_params(REAL_SHAPES)]
-    opt = dlion.DistributedLion(params, lr=LR, betas=(0.9, 0.99), weight_decay=WD, comm=comm, vote="mavo")
-    for t in range(REAL_STEPS):
-        for p, g in zip(params, real_grads(rank, t)):
-            p.grad = None if g is None else g.to(device)
-        opt.step()
-    assert all(p.device.type == device for p in params)
-    return dict(params=[p.detach().cpu() for p in params], algorithms=opt.algorithm_names,
-                stats=opt.comm_stats.state_dict())
-
-
-@pytest.mark.parametrize("comm", ["1bit", "allgather"])
-def test_real_gloo_ranks_with_cuda_tensors_equal_simulation(comm):
-    """REAL RANKS: 2 Gloo processes, CUDA parameters and gradients on cuda:0. A failure here may be
-    Gloo refusing a collective (all_to_all_single / all_gather_into_tensor) on CUDA tensors:
-    the worker's traceback below is the real error."""
-    results = spawn(real_ranks_worker, 2, comm, DEV, timeout_s=60, start_method="spawn")  # (no fork after CUDA init)
-    r0, r1 = results
-    assert r0["algorithms"] == [comm] * len(r0["algorithms"])
-    diff = first_difference(r1["params"], r0["params"])
-    assert not diff, f"ranks 0 and 1 disagree: {diff}"
-    params = init_params(REAL_SHAPES)
-    sim = SimulatedDistributedLion(params, 2, lr=LR, betas=(0.9, 0.99), weight_decay=WD, comm=comm, vote="mavo")
-    for t in range(REAL_STEPS):
-        sim.step([real_grads(r, t) for r in range(2)])
-    diff = first_difference(r0["params"], params)
-    assert not diff, f"CUDA ranks differ from the CPU simulation: {diff}"
-    assert sim.comm_stats.bytes_sent == r0["stats"]["bytes_sent"]
-
-
 # -- measurement: host synchronisations per step -------------------------------------------
 
 _SYNC_RESULTS: dict = {}
@@ -309,3 +260,52 @@ def test_sync_count_measurement_lion_step():
     before = [p.detach().clone() for p in params]
     _record("Lion (foreach)", count_syncs(opt.step))
     assert any(not torch.equal(a, b) for a, b in zip(before, params))
+
+
+# -- real Gloo ranks on one GPU (last: the slowest, and the likeliest to fail) -----------------
+
+REAL_SHAPES = [(16, 16), (40,), (3, 7), (1,)]
+REAL_STEPS = 3
+
+
+def real_grads(rank: int, step: int):
+    g = torch.Generator().manual_seed(500 + 10 * rank + step)
+    grads = [torch.randn(s, generator=g) for s in REAL_SHAPES]
+    if rank == 1:
+        grads[2] = None  # rank 1 abstains on a whole parameter
+    grads[0].view(-1)[:9] = 0.0  # zero runs on every rank (c = 0 at step 0, then the momentum moves it)
+    return grads
+
+
+def real_ranks_worker(rank, world, comm, device):
+    """One Gloo rank with its parameters and gradients on cuda:0 (both ranks share the GPU)."""
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    params = [p.to(device).requires_grad_() for p in init_params(REAL_SHAPES)]
+    opt = dlion.DistributedLion(params, lr=LR, betas=(0.9, 0.99), weight_decay=WD, comm=comm, vote="mavo")
+    for t in range(REAL_STEPS):
+        for p, g in zip(params, real_grads(rank, t)):
+            p.grad = None if g is None else g.to(device)
+        opt.step()
+    assert all(p.device.type == device for p in params)
+    return dict(params=[p.detach().cpu() for p in params], algorithms=opt.algorithm_names,
+                stats=opt.comm_stats.state_dict())
+
+
+@pytest.mark.parametrize("comm", ["1bit", "allgather"])
+def test_real_gloo_ranks_with_cuda_tensors_equal_simulation(comm):
+    """REAL RANKS: 2 Gloo processes, CUDA parameters and gradients on cuda:0. A failure here may be
+    Gloo refusing a collective (all_to_all_single / all_gather_into_tensor) on CUDA tensors:
+    the worker's traceback below is the real error."""
+    results = spawn(real_ranks_worker, 2, comm, DEV, timeout_s=60, start_method="spawn")  # (no fork after CUDA init)
+    r0, r1 = results
+    assert r0["algorithms"] == [comm] * len(r0["algorithms"])
+    diff = first_difference(r1["params"], r0["params"])
+    assert not diff, f"ranks 0 and 1 disagree: {diff}"
+    params = init_params(REAL_SHAPES)
+    sim = SimulatedDistributedLion(params, 2, lr=LR, betas=(0.9, 0.99), weight_decay=WD, comm=comm, vote="mavo")
+    for t in range(REAL_STEPS):
+        sim.step([real_grads(r, t) for r in range(2)])
+    diff = first_difference(r0["params"], params)
+    assert not diff, f"CUDA ranks differ from the CPU simulation: {diff}"
+    assert sim.comm_stats.bytes_sent == r0["stats"]["bytes_sent"]
