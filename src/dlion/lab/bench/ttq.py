@@ -6,7 +6,10 @@
    warm-up then cosine decay to 10 %, and rank 0 evaluates the validation loss every
    ``--eval-every`` steps on ``--eval-batches`` fixed held-out batches. The methods are the
    e2e benchmark's (:mod:`dlion.lab.bench.e2e.methods`): DDP + Lion / AdamW with fp32, bf16
-   or PowerSGD communication, and DistributedLion.
+   or PowerSGD communication, DistributedLion, and the methods that talk every H =
+   ``--sync-every`` steps (LocalDistributedLion ``d-local-mavo[-st]``, DiLoCo ``diloco-*`` with
+   ``--outer-lr``), evaluated at their agreed parameters (``opt.anchored()``; a streaming round
+   in flight is applied after the last step only).
 2. **Target**: L = G-Lion's validation loss at its last evaluation; each method's
    steps-to-L is its first evaluation at or below L (a method that never gets there is
    reported with its best loss).
@@ -31,6 +34,7 @@ by side instead (:mod:`dlion.lab.bench.ttq_seeds`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -76,7 +80,7 @@ def train_rank(rank: int, world: int, cfg: dict, emit: Callable[[dict], None]) -
     from dlion.lab.data import char_batches, load_shakespeare
 
     from .e2e.instrument import Instrument
-    from .e2e.methods import MethodRun
+    from .e2e.methods import SYNC_EVERY, MethodRun
 
     torch.set_num_threads(1)
     train_ids, val_ids, vocab = load_shakespeare()
@@ -88,8 +92,12 @@ def train_rank(rank: int, world: int, cfg: dict, emit: Callable[[dict], None]) -
         g = torch.Generator().manual_seed(1000 * cfg["seed"] + rank)
         warm = max(1, int(cfg["warmup_frac"] * cfg["steps"]))
         curve, train_s = [], 0.0
+        # methods talking every H steps: evaluate the agreed parameters (the anchor, DiLoCo's θ), not
+        # rank 0's local ones; a streaming round in flight is applied after the last step only
+        agreed = run.opt.anchored if method in SYNC_EVERY else contextlib.nullcontext
         if rank == 0:
-            curve.append((0, evaluate(run.model, val)))
+            with agreed():
+                curve.append((0, evaluate(run.model, val)))
         dist.barrier()
         for step in range(cfg["steps"]):
             for grp, lr in zip(run.opt.param_groups, base):
@@ -98,10 +106,13 @@ def train_rank(rank: int, world: int, cfg: dict, emit: Callable[[dict], None]) -
             t = time.perf_counter()
             run.step(x, y, measure=True)
             train_s += time.perf_counter() - t
+            if method in SYNC_EVERY and step + 1 == cfg["steps"]:
+                run.opt.flush()  # every rank (untimed, like the evaluations)
             if rank == 0:
                 emit({"tick": 1})
                 if (step + 1) % cfg["eval_every"] == 0 or step + 1 == cfg["steps"]:
-                    curve.append((step + 1, evaluate(run.model, val)))
+                    with agreed():
+                        curve.append((step + 1, evaluate(run.model, val)))
         dist.barrier()
         if hasattr(run.opt, "check_replicas"):
             run.opt.check_replicas()
@@ -288,6 +299,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.99), metavar=("BETA1", "BETA2"),
                     help="Lion's and D-Lion's betas (default 0.9 0.99; AdamW keeps its own defaults)")
     ap.add_argument("--ties", default="zero", choices=("zero", "random", "previous"))
+    ap.add_argument("--sync-every", type=int, default=10, metavar="H",
+                    help="local steps per sync of d-local-* and diloco-* (default 10; --step-times must have it too)")
+    ap.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer Nesterov SGD lr (default 0.7)")
     ap.add_argument("--quant-bits", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--step-times", default=None, help="e2e_results.json of `dlion bench e2e` with this model")
@@ -340,6 +354,14 @@ def _step_times(path: str, cfg: dict, workers: int) -> tuple[dict, str]:
         raise SystemExit(f"dlion bench ttq: {path} was measured with another workload "
                          f"({', '.join(f'{k}={other[k]!r}' for k in diff) or 'workers=' + str(doc['workers'])}); "
                          f"run `dlion bench e2e` with the same model, batch and ranks")
+    from .e2e.methods import SYNC_EVERY
+
+    # the step time of a method talking every H steps is the mean over whole rounds of that H
+    local = sorted({r["method"] for r in doc["results"]} & set(cfg.get("methods", ())) & set(SYNC_EVERY))
+    if local and other.get("sync_every") != cfg.get("sync_every", 10):
+        raise SystemExit(f"dlion bench ttq: {path} measured {', '.join(local)} with --sync-every "
+                         f"{other.get('sync_every')}, not {cfg.get('sync_every', 10)}: their step times depend on H; "
+                         f"run `dlion bench e2e --sync-every {cfg.get('sync_every', 10)}` or train with that H")
     stat = "mean" if all("ms_mean" in r for r in doc["results"]) else "median"
     out: dict = {}
     for r in doc["results"]:
@@ -418,6 +440,8 @@ def main(argv: list[str]) -> int:
         methods = parse_methods(args.methods)
     except ValueError as e:
         ap.error(str(e))
+    if args.sync_every < 1:
+        ap.error(f"--sync-every must be >= 1, got {args.sync_every}")
     if "g-lion" not in methods and args.target is None:
         methods = ["g-lion"] + methods  # the reference that defines L (with --target, only if asked for)
     cfg = {"n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head, "block_size": args.block_size,
@@ -426,7 +450,8 @@ def main(argv: list[str]) -> int:
            "quant_bits": args.quant_bits, "seed": args.seed,
            "steps": args.steps, "eval_every": args.eval_every, "eval_batches": args.eval_batches,
            "warmup_frac": args.warmup_frac, "methods": methods, "timeout": args.timeout, "synthetic": False,
-           "sequential": True, "warmup": 0, "per_node": args.per_node,
+           "sequential": True, "warmup": 0, "per_node": args.per_node, "sync_every": args.sync_every,
+           "outer_lr": args.outer_lr,
            "nodes": args.workers // args.per_node if args.per_node else 0}
     if args.curves and args.extend:
         ap.error("--extend trains and merges; --curves only re-composes: give one of them")
@@ -434,7 +459,7 @@ def main(argv: list[str]) -> int:
     if args.curves or args.extend:
         with open(args.curves or args.extend) as f:
             stored = json.load(f)
-        cfg = {"per_node": 0, "nodes": 0, **stored["config"], "timeout": args.timeout}
+        cfg = {"per_node": 0, "nodes": 0, "sync_every": 10, "outer_lr": 0.7, **stored["config"], "timeout": args.timeout}
     if args.curves:
         args.workers = stored["workers"]
     if args.extend:

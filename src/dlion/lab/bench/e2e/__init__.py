@@ -19,10 +19,21 @@ ours (dlion.DistributedLion, no DDP)
   ``overlap=True``; ``-rt`` / ``-pt`` = ``ties="random"`` / ``"previous"``, whatever ``--ties`` says)
   ``h-mavo-1bit``, ``h-mavo-allgather``, ``h-avg-1bit``: dlion.HierarchicalDistributedLion (needs
   ``--nodes K --per-node L``: the nodes vote, gradients are averaged in fp32 inside a node)
+talking every H = ``--sync-every`` steps
+  ``d-local-mavo``         dlion.LocalDistributedLion (MaVo, 1bit, ``--ties``); ``d-local-mavo-st`` with
+                           ``streaming=True`` (round r's vote on the wire during round r+1)
+  ``diloco-{adamw,lion}[-bf16]``  DiLoCo (dlion.lab.diloco, torchft's update): H inner AdamW (10 × lr, as
+                           G-AdamW) or Lion steps, the pseudo-gradients averaged by an fp32 (bf16) all-reduce,
+                           outer Nesterov SGD at ``--outer-lr`` (default 0.7)
+  ``--steps`` must be a multiple of H with these: the window (after any ``--warmup``) then holds exactly
+  steps/H syncs, since it is ``steps`` consecutive steps and a sync ends every H-th step counted from the
+  first. Bytes are those of the window's syncs ÷ ``--steps`` (streaming: from the end of the round in
+  flight when the window opens to the end of the last round issued in it).
 
-Groups for ``--methods``: ``all`` (every method but h-*), ``baselines``, ``peers``, ``powersgd``, ``dlion``,
-``mavo``, ``avg``, ``overlap``, ``hier``, ``nodes`` (compute, G-Lion, PowerSGD rank 4, flat and
-hierarchical MaVo).
+Groups for ``--methods``: ``all`` (every method but h-* and those talking every H steps), ``baselines``,
+``peers``, ``powersgd``, ``dlion``, ``mavo``, ``avg``, ``overlap``, ``hier``, ``nodes`` (compute, G-Lion,
+PowerSGD rank 4, flat and hierarchical MaVo), ``local`` (compute, D-Lion MaVo 1bit overlapped with random ties,
+G-AdamW PowerSGD rank 4 overlapped, and every method talking every H steps).
 
 With ``--nodes K --per-node L`` the virtual cluster groups the ranks into K nodes (``dlion cluster
 --nodes``): unshaped links inside a node, each node's uplink shaped to the ``--link`` rate. On rank 0,
@@ -65,7 +76,8 @@ from typing import Optional
 
 from .instrument import Instrument
 from .launch import e2e_env_worker, run_e2e_cluster, run_e2e_loopback, make_batches, run_methods
-from .methods import BASELINES, DLION, GROUPS, LABELS, METHODS, POWERSGD_START_ITER, MethodRun, label, parse_methods
+from .methods import (BASELINES, DLION, GROUPS, LABELS, METHODS, POWERSGD_START_ITER, SYNC_EVERY, MethodRun, label,
+                      parse_methods)
 from .report import write_report, headline, overlap, overlap_lines, plot, profile_lines, summarize, table
 
 # The package: methods (names, groups, labels, one method on one rank), instrument (byte
@@ -92,6 +104,9 @@ def _parser() -> argparse.ArgumentParser:
                                                        "default all")
     ap.add_argument("--steps", type=int, default=10, help="measured steps per method (default 10)")
     ap.add_argument("--warmup", type=int, default=3, help="unmeasured steps first (default 3)")
+    ap.add_argument("--sync-every", type=int, default=10, metavar="H",
+                    help="local steps per sync of d-local-* and diloco-* (default 10); --steps must be a multiple")
+    ap.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer Nesterov SGD lr (default 0.7)")
     ap.add_argument("--n-layer", type=int, default=6)
     ap.add_argument("--n-embd", type=int, default=256)
     ap.add_argument("--n-head", type=int, default=None, help="default n_embd/64")
@@ -173,6 +188,12 @@ def main(argv: list[str]) -> int:
         methods = parse_methods(args.methods)
     except ValueError as e:
         ap.error(str(e))
+    if args.sync_every < 1:
+        ap.error(f"--sync-every must be >= 1, got {args.sync_every}")
+    local = [m for m in methods if m in SYNC_EVERY]
+    if local and args.steps % args.sync_every:
+        ap.error(f"--steps {args.steps} is not a multiple of --sync-every {args.sync_every}: {', '.join(local)} "
+                 "sync every H steps, and the measured window must hold whole rounds (steps/H syncs)")
     if any(m.startswith("h-") for m in methods) and args.nodes is None:
         ap.error("the hierarchical methods (h-*) need --nodes K --per-node L")
     if any("powersgd" in m for m in methods) and args.warmup < POWERSGD_START_ITER:
@@ -188,7 +209,7 @@ def main(argv: list[str]) -> int:
            "weight_decay": args.weight_decay, "seed": args.seed, "synthetic": args.synthetic,
            "ties": args.ties, "timeout": args.timeout, "sequential": args.sequential, "methods": methods,
            "nodes": args.nodes, "per_node": args.per_node, "fused": args.fused, "compute_nice": args.compute_nice,
-           "queue": args.queue}
+           "queue": args.queue, "sync_every": args.sync_every, "outer_lr": args.outer_lr}
     if args.loopback:
         links = [("loopback", None)]
     else:

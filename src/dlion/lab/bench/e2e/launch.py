@@ -90,6 +90,8 @@ def run_methods(rank: int, world: int, cfg: dict, train_ids, vocab_size: int,
                 if rank == 0:
                     emit({"tick": 1})
         dist.barrier()
+        for run in runs:  # (a streaming local method's round in flight completes: its bytes are in the window)
+            run.end_measure()
         for run in runs:  # every rank profiles the methods in the same order (D-Lion's steps are collective)
             run.profile(batches[:cfg.get("profile_steps", 3)])
         for run in runs:

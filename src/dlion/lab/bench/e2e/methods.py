@@ -26,7 +26,12 @@ DLION = tuple(f"d-{vote}-{comm}{ov}" for vote in ("mavo", "avg") for comm in ("a
 # PowerSGD; -fb: a first bucket of FIRST_BUCKET_MB, then --bucket-mb (DDP's small first bucket);
 # -dl: delay=1 (Δ applied a step later, its exchange overlapping the next forward and backward)
 HIER = ("h-mavo-1bit", "h-mavo-allgather", "h-avg-1bit")  # HierarchicalDistributedLion (needs --nodes)
-METHODS = BASELINES + DLION + HIER
+# Methods that talk every H = --sync-every steps: LocalDistributedLion (MaVo, 1bit; -st: streaming=True) and
+# DiLoCo (dlion.lab.diloco: AdamW or Lion inner steps, the pseudo-gradients averaged in fp32 or bf16)
+LOCAL = ("d-local-mavo", "d-local-mavo-st")
+DILOCO = ("diloco-adamw", "diloco-lion", "diloco-adamw-bf16", "diloco-lion-bf16")
+SYNC_EVERY = LOCAL + DILOCO
+METHODS = BASELINES + DLION + HIER + SYNC_EVERY
 _MOMENTUM_SYNC = re.compile(r"^(d-.+)-ms(\d+|d)$")  # a D-Lion method + "-ms<K>": momenta averaged every K steps
 
 
@@ -63,6 +68,7 @@ GROUPS = {
     "mavo": tuple(m for m in DLION if m.startswith("d-mavo")),
     "avg": tuple(m for m in DLION if m.startswith("d-avg")),
     "overlap": tuple(m for m in DLION if "-ov" in m),
+    "local": ("compute", "d-mavo-1bit-ov-rt", "g-adamw-powersgd4-ov") + LOCAL + DILOCO,
 }
 LABELS = {"compute": "compute only (no comm)", "sync-only": "sync only (1 value per bucket)",
           "g-adamw": "G-AdamW (DDP fp32)", "g-lion": "G-Lion (DDP fp32)", "g-lion-bf16": "G-Lion (DDP bf16 hook)",
@@ -70,7 +76,10 @@ LABELS = {"compute": "compute only (no comm)", "sync-only": "sync only (1 value 
           **{m: f"G-{'Lion' if 'lion' in m else 'AdamW'} (DDP PowerSGD rank {m[-4]}, overlapped)"
              for m in POWERSGD_OV},
           "ddp-dlion-hook": "D-Lion MaVo as a DDP comm hook (allgather)",
-          "ddp-dlion-hook-1bit": "D-Lion MaVo as a DDP comm hook (1bit)"}
+          "ddp-dlion-hook-1bit": "D-Lion MaVo as a DDP comm hook (1bit)",
+          "d-local-mavo": "Local D-Lion MaVo 1bit",  # (H: the result's sync_every)
+          "d-local-mavo-st": "Local D-Lion MaVo 1bit streaming",
+          **{m: f"DiLoCo {'AdamW' if 'adamw' in m else 'Lion'} {'bf16' if 'bf16' in m else 'fp32'}" for m in DILOCO}}
 POWERSGD_START_ITER = 2  # PowerSGD needs >= 2 uncompressed iterations (DDP rebuilds buckets after the first)
 POWERSGD_BUCKET_MB = 1 << 16  # one bucket for PowerSGD (see MethodRun)
 FIRST_BUCKET_MB = 2.0  # -fb methods: on CharGPT the one block-5 MLP matrix, like DDP's 1 MiB first bucket (which closes
@@ -219,6 +228,45 @@ def _hier_class():
     return SeededHierarchicalDistributedLion
 
 
+def _local_class():
+    from dlion import LocalDistributedLion
+
+    class SeededLocalDistributedLion(LocalDistributedLion):
+        """As SeededDistributedLion; and (streaming) the byte counters at the moment each round's
+        exchange completed, by the step that issued it (:meth:`MethodRun.step` brackets the window)."""
+
+        def __init__(self, *args, **kwargs):
+            self.settled_bytes: dict = {}  # issuing step -> (bytes sent, received) once that round completed
+            super().__init__(*args, **kwargs)
+
+        def _broadcast_parameters(self) -> None:
+            pass
+
+        def _settle(self) -> None:
+            pending = self._in_flight is not None and self._in_flight[2] is None
+            super()._settle()
+            if pending:
+                self.settled_bytes[self._in_flight[0]] = (self.comm_stats.bytes_sent, self.comm_stats.bytes_received)
+
+    return SeededLocalDistributedLion
+
+
+def _diloco(method: str, model, cfg: dict, lr: float, betas: tuple, wd: float, fused: bool):
+    """DiLoCo (:mod:`dlion.lab.diloco`): AdamW inner steps at 10 × the Lion lr and wd / 10 (as G-AdamW),
+    or Lion; the pseudo-gradients averaged in fp32, or bf16 (-bf16); the outer Nesterov SGD at --outer-lr."""
+    import dlion
+    from dlion.lab.diloco import OUTER_LR, DiLoCo
+
+    if "adamw" in method:
+        inner = torch.optim.AdamW(model.parameters(), lr=10 * lr, weight_decay=wd / 10,
+                                  **({"fused": True} if fused else {}))
+    else:
+        inner = dlion.Lion(model.parameters(), lr=lr, betas=betas, weight_decay=wd, fused=fused)
+    return DiLoCo(model.parameters(), inner, sync_every=cfg.get("sync_every", 10),
+                  outer_lr=cfg.get("outer_lr", OUTER_LR),
+                  wire_dtype=torch.bfloat16 if method.endswith("-bf16") else torch.float32)
+
+
 class MethodRun:
     """One method's model and optimizer on one rank, stepped by the driver loop."""
 
@@ -285,6 +333,16 @@ class MethodRun:
                                      ties=cfg["ties"], comm=comm, bucket_cap_mb=cfg["bucket_mb"],
                                      mesh=_node_mesh(cfg["per_node"]), fused=fused)
             self.opt.check_replicas()
+        elif method in LOCAL:
+            self.net = model
+            self.opt = _local_class()(model.parameters(), lr=lr, betas=betas, weight_decay=wd, vote="mavo",
+                                      ties=cfg["ties"], comm="1bit", sync_every=cfg.get("sync_every", 10),
+                                      streaming=method.endswith("-st"), bucket_cap_mb=cfg["bucket_mb"], fused=fused)
+            self.opt.check_replicas()
+        elif method in DILOCO:
+            self.net = model
+            self.opt = _diloco(method, model, cfg, lr, betas, wd, fused)
+            self.opt.check_replicas()
         else:
             base, sync = split_momentum_sync(method)
             _, vote, comm, *rest = base.split("-")
@@ -319,6 +377,10 @@ class MethodRun:
             self._start = ((stats.bytes_sent, stats.bytes_received) if stats is not None else None, dict(self.tally))
             local = getattr(self.opt, "local_stats", None)
             self._local_start = local.bytes_sent if local is not None else 0
+            flight = getattr(self.opt, "_in_flight", None) if self.method in LOCAL else None
+            # streaming: a round issued before the window may still be on the wire; the window's bytes
+            # start where it completes (SeededLocalDistributedLion._settle), untimed and unchanged
+            self._start_after = flight[0] if flight is not None and flight[2] is None else None
         if measure:
             self.uplink_before_step()
         inst.count = self.is_ddp
@@ -364,11 +426,15 @@ class MethodRun:
 
     def end_measure(self) -> None:
         """After the last measured step: a ``delay=1`` method's last exchange completes (untimed:
-        the first measured step waited for one already), so its bytes count in the window."""
-        if applies_next_step(self.method) and self._start is not None:
+        the first measured step waited for one already), so its bytes count in the window. A
+        streaming local method's round in flight completes (untimed: the window's first round end
+        waited for the one issued before it) and is applied (``flush``: nothing left in flight)."""
+        if (applies_next_step(self.method) or self.method in LOCAL) and self._start is not None:
             self.opt._settle()
             stats = self.opt.comm_stats
             self._end = (stats.bytes_sent, stats.bytes_received)
+            if self.method in LOCAL:
+                self.opt.flush()
 
     def profile(self, batches: list) -> None:
         """D-Lion only: a few more (untimed) steps under ``torch.profiler``; the milliseconds per
@@ -378,7 +444,7 @@ class MethodRun:
         training thread's wait for it; the buckets applied while later ones are still on the
         wire count in ``dlion.apply`` and, nested, in ``dlion.exchange``)."""
         self.profile_ms = {}
-        if self.is_ddp:
+        if self.is_ddp or self.method in SYNC_EVERY:  # (a few steps hold no sync, or one: no per-step figure)
             return
         from torch.profiler import ProfilerActivity, profile
 
@@ -403,17 +469,27 @@ class MethodRun:
                      "bucket_bytes_per_step": (self.tally["bucket_bytes"] - t0["bucket_bytes"]) / steps}
         else:
             b0 = self._start[0]
+            if getattr(self, "_start_after", None) is not None:  # streaming: from the end of the round in flight
+                b0 = self.opt.settled_bytes[self._start_after]
             sent = (self._end[0] - b0[0]) / steps
             received = (self._end[1] - b0[1]) / steps
             extra = {}
+            if m in SYNC_EVERY:  # bytes amortised over the window (steps / H syncs)
+                extra = {"sync_every": self.opt.diloco.sync_every if m in DILOCO else self.opt.sync_every}
+                if m in DILOCO:
+                    extra["outer_lr"] = self.opt.diloco.outer.param_groups[0]["lr"]
+                else:
+                    extra.update({"buckets": len(self.opt.buckets), "algorithms": sorted(set(self.opt.algorithm_names))})
+                self.opt.check_replicas()  # the anchor / θ must be bitwise identical
             if m in HIER:  # comm_stats: between nodes; local_stats: inside the node
                 intra = (self._local_end - self._local_start) / steps
                 extra = {"inter_node_bytes_sent_per_step": sent, "intra_node_bytes_sent_per_step": intra}
                 sent, received = sent + intra, received + intra
-            extra.update({"buckets": len(self.opt.buckets),
-                     "algorithms": sorted(set(self.opt.algorithm_names)),
-                     "profile_ms_per_step": self.profile_ms})
-            self.opt.check_replicas()  # the replicas must still be bitwise identical
+            if m not in SYNC_EVERY:
+                extra.update({"buckets": len(self.opt.buckets),
+                              "algorithms": sorted(set(self.opt.algorithm_names)),
+                              "profile_ms_per_step": self.profile_ms})
+                self.opt.check_replicas()  # the replicas must still be bitwise identical
         if getattr(self, "uplink_bytes", None) is not None:
             extra["uplink_bytes_per_step"] = self.uplink_bytes / steps
         return {"method": m, "rank": self.rank, "params": self.params, "step_s": self.step_s,

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .methods import BASELINES, DDP_HOOKS, label
+from .methods import BASELINES, DDP_HOOKS, SYNC_EVERY, label
 
 
 def summarize(per_rank: list[dict]) -> dict:
@@ -43,7 +43,8 @@ def summarize(per_rank: list[dict]) -> dict:
     for k in ("inter_node_bytes_sent_per_step", "intra_node_bytes_sent_per_step"):
         if k in r0:
             out[k] = statistics.mean(r[k] for r in per_rank)
-    for k in ("all_reduce_calls_per_step", "buckets_per_step", "bucket_bytes_per_step", "buckets", "algorithms"):
+    for k in ("all_reduce_calls_per_step", "buckets_per_step", "bucket_bytes_per_step", "buckets", "algorithms",
+              "sync_every", "outer_lr"):
         if k in r0:
             out[k] = r0[k]
     if "profile_ms_per_step" in r0:
@@ -205,6 +206,10 @@ def plot(results: list[dict], methods: list[str], path: str, title: str, nodes: 
                 style = dict(color=colors.get(key, "tab:gray"),
                              ls=":" if m == "sync-only" else "--" if m.endswith("-ov") else "-", lw=2,
                              marker="o" if "adamw" not in m else "s")
+            elif m in SYNC_EVERY:  # talking every H steps: local D-Lion dark blue, DiLoCo grey; bf16 / streaming dashed
+                style = dict(color="navy" if m.startswith("d-") else "dimgray" if "adamw" in m else "darkgoldenrod",
+                             ls="--" if m.endswith(("-st", "-bf16")) else "-", lw=1.8,
+                             marker="P" if m.startswith("d-") else "X", ms=6)
             elif m.startswith("h-"):  # hierarchical D-Lion: solid, diamonds
                 parts = m.split("-")
                 style = dict(color="tab:cyan" if parts[2] == "1bit" else "tab:purple", ls="-", lw=2,
