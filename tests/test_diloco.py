@@ -15,9 +15,13 @@ from dlion.lab.spawn import spawn
 H, ROUNDS = 3, 2
 
 
+_SEED_LOCK = threading.Lock()  # (the simulated ranks are threads: seeding the global RNG must not interleave)
+
+
 def _model() -> nn.Module:
-    torch.manual_seed(0)  # identical on every rank
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    with _SEED_LOCK:
+        torch.manual_seed(0)  # identical on every rank
+        return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
 def _inner(kind: str, model: nn.Module) -> torch.optim.Optimizer:
