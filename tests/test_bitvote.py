@@ -39,6 +39,7 @@ def test_native_majority_equals_counting(nbytes, rows, seed, real):
     length that is no multiple of 8) against counting the unpacked bits."""
     from dlion import kernels
 
+    kernels.load()  # (fused=True loads it; the codec helpers then use it)
     g = np.random.default_rng(seed)
     packed = g.integers(0, 256, (rows, nbytes + 2), dtype=np.uint8)[:, 1:-1]  # (strided rows)
     packed[:, 0] = 0xFF
@@ -66,6 +67,9 @@ def test_popcount_prefix(n, seed):
        st.booleans(), st.integers(0, 3), st.sampled_from(["1", "0"]))
 def test_packed_vote_equals_the_vote_written_out(world, blocks, seed, ties, gathered, rank, native):
     """Native (dlion.kernels.majority) and numpy (DLION_NATIVE=0) alike."""
+    from dlion import kernels
+
+    kernels.load()  # (fused=True loads it; the codec helpers then use it)
     os.environ["DLION_NATIVE"] = native
     try:
         _check_packed_vote(world, blocks, seed, ties, gathered, rank)

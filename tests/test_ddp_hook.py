@@ -22,7 +22,7 @@ def batches(rank):
     return [(torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(5)]
 
 
-def hook_worker(rank, world, vote, comm, mdtype=None):
+def hook_worker(rank, world, vote, comm, mdtype=None, fused=False):
     # reference: DistributedLion on the bare model
     ref = make_model()
     opt = dlion.DistributedLion(ref.parameters(), lr=LR, betas=BETAS, weight_decay=WD, vote=vote, comm="1bit",
@@ -34,7 +34,8 @@ def hook_worker(rank, world, vote, comm, mdtype=None):
     # the same through DDP with the hook, in several buckets
     model = make_model()
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.5)  # several buckets (the first: 1 MB)
-    state = DLionHookState(model, betas=BETAS, vote=vote, comm=comm, momentum_dtype=mdtype, bucket_cap_mb=0.5)
+    state = DLionHookState(model, betas=BETAS, vote=vote, comm=comm, momentum_dtype=mdtype, bucket_cap_mb=0.5,
+                           fused=fused)
     ddp.register_comm_hook(state, dlion_hook)
     opt2 = ApplyDelta(ddp.parameters(), lr=LR, weight_decay=WD)
     for x, y in batches(rank):
@@ -47,14 +48,15 @@ def hook_worker(rank, world, vote, comm, mdtype=None):
             state.comm_stats.collectives, sd["steps"])
 
 
-@pytest.mark.parametrize("world, vote, comm, mdtype", [(2, "mavo", "allgather", None), (3, "mavo", "pbit", None),
-                                                      (3, "avg", "allgather", None),
-                                                      (2, "mavo", "allgather", torch.bfloat16),
-                                                      # two collectives per bucket, each bucket on its own group
-                                                      (3, "mavo", "1bit", None), (4, "mavo", "1bit", None),
-                                                      (4, "avg", "1bit", torch.bfloat16)])
-def test_ddp_hook_equals_distributed_lion_bitwise(world, vote, comm, mdtype):
-    results = spawn(hook_worker, world, vote, comm, mdtype, timeout_s=60)
+@pytest.mark.parametrize("world, vote, comm, mdtype, fused", [
+    (2, "mavo", "allgather", None, False), (3, "mavo", "pbit", None, False), (3, "avg", "allgather", None, False),
+    (2, "mavo", "allgather", torch.bfloat16, False),
+    # two collectives per bucket, each bucket on its own group
+    (3, "mavo", "1bit", None, False), (4, "mavo", "1bit", None, False), (4, "avg", "1bit", torch.bfloat16, False),
+    # the local math in the native loops (fused=True): the same values
+    (3, "mavo", "1bit", None, True), (2, "avg", "allgather", None, True)])
+def test_ddp_hook_equals_distributed_lion_bitwise(world, vote, comm, mdtype, fused):
+    results = spawn(hook_worker, world, vote, comm, mdtype, fused, timeout_s=60)
     for ref, hooked, m_ref, m_hook, calls, steps in results:
         # one collective per bucket (two with 1bit): one bucket in the first step, two after DDP's rebuild
         assert steps == 5 and calls >= (2 if comm == "1bit" else 1) * (1 + 2 * 4)

@@ -80,36 +80,33 @@ def test_supported_only_for_cpu_fp32_fp64_of_one_dtype():
 
 
 def test_a_failed_build_names_the_option_and_the_way_out(monkeypatch, tmp_path):
+    monkeypatch.setattr(kernels, "_library", None)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("DLION_CACHE_DIR", str(tmp_path / "cache"))
-    kernels._load.cache_clear()
-    try:
-        with pytest.raises(RuntimeError, match="fused=False") as info:
-            kernels.momentum_update_(torch.zeros(3), torch.ones(3), 0.9, 0.1)
-        assert isinstance(info.value.__cause__, OSError)
-        assert not kernels.available()
-        # the codec helpers still work, through numpy: the same bits
-        v = torch.tensor([1, -1, 0, 1, 1, 0, -1, 1], dtype=torch.int8)
-        assert kernels.pack_positive(v).tolist() == [0b10011001]
-        assert kernels.unpack_signs(torch.tensor([0b10011001], dtype=torch.uint8), 7).tolist() == [1, -1, -1, 1, 1,
-                                                                                                    -1, -1]
-        assert kernels.count_zeros(v) == 2
-    finally:
-        kernels._load.cache_clear()
+    with pytest.raises(RuntimeError, match="fused=False") as info:
+        kernels.momentum_update_(torch.zeros(3), torch.ones(3), 0.9, 0.1)
+    assert isinstance(info.value.__cause__, OSError)
+    assert not kernels.available()
+    # the codec helpers still work, through numpy: the same bits
+    v = torch.tensor([1, -1, 0, 1, 1, 0, -1, 1], dtype=torch.int8)
+    assert kernels.pack_positive(v).tolist() == [0b10011001]
+    assert kernels.unpack_signs(torch.tensor([0b10011001], dtype=torch.uint8), 7).tolist() == [1, -1, -1, 1, 1,
+                                                                                                -1, -1]
+    assert kernels.count_zeros(v) == 2
 
 
 def test_the_library_is_built_once_into_the_cache_and_reused(monkeypatch, tmp_path):
+    monkeypatch.setattr(kernels, "_library", None)
     monkeypatch.setenv("DLION_CACHE_DIR", str(tmp_path))
-    kernels._load.cache_clear()
-    try:
-        assert kernels.available()
-        built = list(tmp_path.glob("kernels-*.so"))
-        assert len(built) == 1 and not list(tmp_path.glob("*.tmp"))
-        stamp = built[0].stat().st_mtime_ns
-        kernels._load.cache_clear()
-        assert kernels.available() and built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
-    finally:
-        kernels._load.cache_clear()
+    assert not kernels.available()  # (never built by asking)
+    kernels.load()
+    assert kernels.available()
+    built = list(tmp_path.glob("kernels-*.so"))
+    assert len(built) == 1 and not list(tmp_path.glob("*.tmp"))
+    stamp = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(kernels, "_library", None)
+    kernels.load()
+    assert kernels.available() and built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
 
 
 def test_many_segments_in_one_call_equal_one_call_each():
@@ -169,6 +166,7 @@ def test_codec_loops_native_and_numpy_agree_with_the_definition(v, extra):
     t = torch.tensor(v, dtype=torch.int8)
     want_bits = [sum(1 << k for k in range(8) if v[8 * j + k] > 0) for j in range(len(v) // 8)]
     n = max(0, len(v) - extra)
+    kernels.load()  # (the helpers use the library only once something has loaded it)
     for native in ("1", "0"):
         os.environ["DLION_NATIVE"] = native
         try:
@@ -211,7 +209,7 @@ def test_sign_and_pack_writes_signs_zeros_between_and_the_payload():
 
 def _build_and_use(cache: str) -> bool:
     os.environ["DLION_CACHE_DIR"] = cache
-    kernels._load.cache_clear()
+    kernels._library = None
     p, m, g = torch.ones(100), torch.zeros(100), torch.ones(100)
     kernels.lion_update_(p, m, g, 0.1, 0.0, 0.9, 0.99)
     return bool(torch.all(p == 0.9)) and kernels.available()

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.profiler import record_function
 
+from . import kernels
 from .aggregation import VoteRule, coin_key
 from .algorithms import (ALGORITHMS, BAD, NONFINITE, Contribution, Outcome, WireState, choose_algorithm,
                          make_algorithm, run_compacted)
@@ -160,8 +161,10 @@ class DistributedLion(Lion):
         fused: CPU parameters only: the local Lion math of each bucket (c, its sign,
             the finiteness check; the update from the codes; the momentum update) as
             native loops over all its tensors at once (:mod:`dlion.kernels`), the same
-            roundings, two to three times fewer passes over memory. The first use builds
-            the library (under a second, once per machine; needs a C compiler).
+            roundings, two to three times fewer passes over memory. Construction loads
+            the library (building it on first use: under a second, once per machine and
+            cache; needs a C compiler) on every rank; where any rank cannot, every rank
+            raises the same error.
         delay: ``0`` (default) or ``1``: apply each step's Δ one step later, so that its
             communication runs during the next step's forward and backward instead of
             being waited for (one step of staleness, as in delayed gradient averaging).
@@ -223,8 +226,12 @@ class DistributedLion(Lion):
         check_options(comm, aggregate, vote, quant_norm, quant_bits, momentum_sync, bucket_cap_mb,
                       check_every, nonfinite, sign_hook)
         params = reject_unsupported(params)
+        self._agree_on_kernels = True  # (fused=True: below, on every rank at once)
         super().__init__(params, lr, betas, weight_decay, maximize=maximize, foreach=foreach,
                          momentum_dtype=momentum_dtype, fused=fused)
+        kernels_error = kernels.load_error() if any(g.get("fused") for g in self.param_groups) else None
+        if kernels_error is not None and world == 1:
+            raise RuntimeError(kernels.fused_error({None: kernels_error}))
         self.process_group = process_group
         self.world_size = world
         self.rank = dist.get_rank(process_group) if distributed else 0
@@ -257,7 +264,7 @@ class DistributedLion(Lion):
         self._in_flight: Optional[tuple] = None
         self._hooks: list = []
         if world > 1:
-            self._check_same_model()
+            self._check_same_model(kernels_error)
             self._broadcast_parameters()
             self.buckets = layout_buckets(self._params, [g for g in self.param_groups for _ in g["params"]], world,
                                           bucket_cap_mb)
@@ -317,16 +324,22 @@ class DistributedLion(Lion):
                 self.quant_bits, str(self.momentum_sync), self.bucket_cap_mb, self.overlap, self.check_every,
                 self.nonfinite, str(self.momentum_dtype), self.delay)
 
-    def _check_same_model(self) -> None:
+    def _check_same_model(self, kernels_error: Optional[str] = None) -> None:
         """Shapes, dtypes, requires_grad and, when the parameters were given with names
         (``model.named_parameters()``), names, in order, and the options: the same on every rank.
         Without names, two same-shape parameters in another order on one rank cannot be told
-        apart (building the model the same way on every rank is the user's contract)."""
+        apart (building the model the same way on every rank is the user's contract). With
+        ``fused=True``, whether each rank loaded the native kernels (``kernels_error``: why not):
+        where any could not, every rank raises the same error."""
         names = [n for g in self.param_groups for n in g.get("param_names", [None] * len(g["params"]))]
         mine = [(tuple(p.shape), str(p.dtype).replace("torch.", ""), bool(p.requires_grad), n)
                 for p, n in zip(self._params, names)]
         everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, (mine, self._config()), group=self.process_group)
+        dist.all_gather_object(everyone, (mine, self._config(), kernels_error), group=self.process_group)
+        failed = {r: e for r, (_, _, e) in enumerate(everyone) if e is not None}
+        if failed:
+            raise RuntimeError(kernels.fused_error(failed))
+        everyone = [(m, cfg) for m, cfg, _ in everyone]
         ref, ref_cfg = everyone[0]
         for r, (theirs, cfg) in enumerate(everyone[1:], start=1):
             if len(theirs) != len(ref):

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import kernels
 from .aggregation import VoteRule, coin_key
 from .algorithms import BAD, NONFINITE, Contribution, Outcome, WireState, choose_algorithm, make_algorithm
 from .buckets import (Bucket, RankBuffers, Scratch, apply_scaled_delta, contribute, layout_buckets, rebind_groups,
@@ -160,9 +161,11 @@ class HierarchicalDistributedLion(Lion):
             raise ValueError("ties='previous' is implemented in DistributedLion (and SimulatedDistributedLion) only; "
                              "HierarchicalDistributedLion supports ties='zero' and 'random'.")
         params = reject_unsupported(params)
+        self._agree_on_kernels = True  # (fused=True: below, on every rank at once)
         super().__init__(params, lr, betas, weight_decay, maximize=maximize, foreach=foreach,
                          momentum_dtype=momentum_dtype, fused=fused)
         self.fused = bool(fused)
+        kernels_error = kernels.load_error() if any(g.get("fused") for g in self.param_groups) else None
         self._params = [p for g in self.param_groups for p in g["params"]]
         distributed = dist.is_available() and dist.is_initialized()
         if distributed and mesh is None and dist.get_world_size() > 1:
@@ -203,8 +206,10 @@ class HierarchicalDistributedLion(Lion):
         self._slices: list[_Slice] = []
         self._algorithms: list = []
         self._wire: list[WireState] = []
+        if kernels_error is not None and self.world_size == 1:
+            raise RuntimeError(kernels.fused_error({None: kernels_error}))
         if self.world_size > 1:
-            self._check_same_model()
+            self._check_same_model(kernels_error)
             self._broadcast_parameters()
             L = self.local_world_size
             self.buckets = layout_buckets(self._params, [g for g in self.param_groups for _ in g["params"]],
@@ -268,9 +273,15 @@ class HierarchicalDistributedLion(Lion):
         dist.all_gather_object(nodes, node, group=self._node_group)
         return [x for n in nodes for x in n]
 
-    def _check_same_model(self) -> None:
+    def _check_same_model(self, kernels_error: Optional[str] = None) -> None:
+        """The model and the options, the same on every rank; with ``fused=True``, the native
+        kernels loaded on every rank (``kernels_error``: why not here), or the same error on all."""
         mine = [(tuple(p.shape), str(p.dtype).replace("torch.", ""), bool(p.requires_grad)) for p in self._params]
-        everyone = self._gather_everyone((mine, self._config()))
+        everyone = self._gather_everyone((mine, self._config(), kernels_error))
+        failed = {r: e for r, (_, _, e) in enumerate(everyone) if e is not None}
+        if failed:
+            raise RuntimeError(kernels.fused_error(failed))
+        everyone = [(m, cfg) for m, cfg, _ in everyone]
         ref, ref_cfg = everyone[0]
         for r, (theirs, cfg) in enumerate(everyone[1:], start=1):
             if theirs != ref:

@@ -14,12 +14,12 @@
 
 #define CHUNK ((int64_t)1 << 16)
 
+/* dlion.kernels builds without -fopenmp (a second OpenMP runtime beside torch's is asking for
+ * trouble): the chunks then run one after another on the calling thread and nt is unused. */
 #if defined(_OPENMP)
 #define PARALLEL_CHUNKS _Pragma("omp parallel for if(nch > 1 && nt > 1) num_threads(nt) schedule(static)")
-#define PARALLEL_CHUNKS_OR(var) _Pragma("omp parallel for if(nch > 1 && nt > 1) num_threads(nt) schedule(static) reduction(|:bad)")
 #else
-#define PARALLEL_CHUNKS
-#define PARALLEL_CHUNKS_OR(var)
+#define PARALLEL_CHUNKS (void)nt;
 #endif
 
 /* Split [0, n) into CHUNK-sized pieces, spread over nt threads where there are several. */
@@ -216,25 +216,25 @@ void dl_unpack_signs(const uint8_t *restrict packed, int64_t n, int8_t *restrict
  * counts[0] = how many have count 0 or N (unanimous), counts[1] = how many count == t with N even
  * (tied). N at most 255. */
 typedef uint64_t u64x4 __attribute__((vector_size(32)));
+/* (the helpers take and return vectors through pointers: without -mavx, a 32-byte vector passed
+ * by value draws a note on its calling convention from gcc) */
 
-static u64x4 load_block(const uint8_t *p, int64_t avail) {
-  u64x4 x = {0, 0, 0, 0};
-  __builtin_memcpy(&x, p, avail >= 32 ? 32 : (size_t)avail);
-  return x;
+static void load_block(u64x4 *x, const uint8_t *p, int64_t avail) {
+  *x = (u64x4){0, 0, 0, 0};
+  __builtin_memcpy(x, p, avail >= 32 ? 32 : (size_t)avail);
 }
 
-static u64x4 equal_to(const u64x4 *planes, int np, int t) {
-  u64x4 eq = {~0ULL, ~0ULL, ~0ULL, ~0ULL};
-  for (int k = 0; k < np; k++) eq &= ((t >> k) & 1) ? planes[k] : ~planes[k];
-  return eq;
+static void equal_to(u64x4 *eq, const u64x4 *planes, int np, int t) {
+  *eq = (u64x4){~0ULL, ~0ULL, ~0ULL, ~0ULL};
+  for (int k = 0; k < np; k++) *eq &= ((t >> k) & 1) ? planes[k] : ~planes[k];
 }
 
-static int64_t popcount_live(u64x4 x, int64_t first_bit, int64_t real) {
+static int64_t popcount_live(const u64x4 *x, int64_t first_bit, int64_t real) {
   int64_t total = 0;
   for (int l = 0; l < 4; l++) {
     int64_t bits = real - (first_bit + 64 * l);
     uint64_t live = bits >= 64 ? ~0ULL : bits > 0 ? ((1ULL << bits) - 1) : 0;
-    total += __builtin_popcountll(x[l] & live);
+    total += __builtin_popcountll((*x)[l] & live);
   }
   return total;
 }
@@ -249,7 +249,8 @@ void dl_majority(int N, const uint8_t **rows, int64_t w, int64_t real, uint8_t *
     u64x4 planes[8];
     for (int k = 0; k < np; k++) planes[k] = (u64x4){0, 0, 0, 0};
     for (int r = 0; r < N; r++) {
-      u64x4 carry = load_block(rows[r] + j, avail);
+      u64x4 carry;
+      load_block(&carry, rows[r] + j, avail);
       for (int k = 0; k < np; k++) {
         u64x4 p = planes[k];
         planes[k] = p ^ carry;
@@ -262,8 +263,12 @@ void dl_majority(int N, const uint8_t **rows, int64_t w, int64_t real, uint8_t *
       else { g |= e & planes[k]; e &= ~planes[k]; }
     }
     if (8 * j < real) {
-      unanimous += popcount_live(equal_to(planes, np, 0) | equal_to(planes, np, N), 8 * j, real);
-      if (N % 2 == 0) tied += popcount_live(e, 8 * j, real);
+      u64x4 none, all;
+      equal_to(&none, planes, np, 0);
+      equal_to(&all, planes, np, N);
+      none |= all;
+      unanimous += popcount_live(&none, 8 * j, real);
+      if (N % 2 == 0) tied += popcount_live(&e, 8 * j, real);
     }
     __builtin_memcpy(gt + j, &g, avail >= 32 ? 32 : (size_t)avail);
     __builtin_memcpy(eq + j, &e, avail >= 32 ? 32 : (size_t)avail);

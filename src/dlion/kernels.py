@@ -15,26 +15,59 @@ Hyperparameters are passed in the work dtype, rounded from the Python floats to 
 exactly as eager PyTorch rounds a scalar operand: a learning-rate schedule changes inputs,
 not code.
 
-The library is compiled by the system C compiler (``$CC``, else ``cc``) on first use,
-in well under a second, into a per-user cache (``$DLION_CACHE_DIR``, else
-``~/.cache/dlion``) keyed by the source, the compiler and the CPU, and loaded with
-:mod:`ctypes`. ``fused=True`` needs it and says so when it cannot be built. The codec
-helpers (:func:`pack_positive`, :func:`unpack_signs`, :func:`count_zeros`) use it when it
-is there and numpy otherwise (the same bits); ``DLION_NATIVE=0`` turns it off for them.
+**When it is built.** Never at import, and never for ``fused=False``: a ``fused=True``
+optimizer (:class:`dlion.Lion`, :class:`dlion.DistributedLion` and its subclasses,
+:class:`dlion.HierarchicalDistributedLion`, the DDP hook's ``DLionHookState(fused=True)``)
+calls :func:`load` at construction, so a machine that cannot build it fails there, with an
+error that says what to do; the distributed ones agree on it first (one small collective they
+make anyway), so every rank raises the same error when any rank cannot. ``dlion kernels``
+loads it ahead of time. The codec helpers (:func:`pack_positive`, :func:`unpack_signs`,
+:func:`count_zeros`, :func:`majority`) use it only where it is already loaded and numpy/torch
+otherwise (the same bits); ``DLION_NATIVE=0`` turns it off for them. The environment is read
+when :func:`load` runs, not at import.
+
+**How.** :func:`load` looks the library up in the cache first and uses it if it is there,
+with or without a compiler; otherwise it compiles ``kernels.c`` with the system C compiler
+(``$CC``, else cc, gcc or clang; under a second) and flags that run on any CPU of the
+architecture: ``-O3 -ffp-contract=off -fno-trapping-math -shared -fPIC``. No
+``-march=native`` (a library built on one machine of a shared home serves all of them) and no
+``-fopenmp`` (a second OpenMP runtime beside torch's; the loops run on the calling thread,
+which suits one rank per core). ``DLION_NATIVE_TUNE=1`` adds ``-march=native`` (falling back
+to the portable build if that fails); only then is the CPU part of the file's key, which is
+otherwise the source, the flags and the platform (not the compiler: any compiler given these
+flags computes the same values).
+
+**Where.** ``$DLION_CACHE_DIR``, else ``$XDG_CACHE_HOME/dlion``, else ``~/.cache/dlion``,
+created with mode 0o700. A shared library is code: it is not loaded from a directory (or a
+file) owned by another user (root excepted) or writable by group or others
+(:class:`UnsafeCacheError`, which says so). Where the cache cannot be created or written (a
+read-only home), the library is built into a fresh ``tempfile.mkdtemp(prefix="dlion-")``
+directory of this process (mode 0o700, a name no one can guess or create first), removed at
+exit: each process then compiles again.
+
+**Not in the wheel.** The wheel stays pure Python (``py3-none-any``), installable anywhere
+torch is. Shipping the compiled library would make it one wheel per OS and architecture
+(manylinux, macOS, aarch64 builds in CI), for a file that takes under a second to build,
+only ``fused=True`` needs, and whose absence costs speed, not results. Where compute nodes
+have no compiler, run ``dlion kernels`` once where there is one, into the cache they read.
 
 CPU only. On CUDA the same passes are a small part of a step.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
-import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
+import stat
 import subprocess
+import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -42,7 +75,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["supported", "available", "sign_and_pack", "momentum_update_", "lion_update_", "apply_codes_",
+__all__ = ["load", "load_error", "loaded_path", "fused_error", "UnsafeCacheError", "tuned", "supported", "available",
+           "sign_and_pack", "momentum_update_", "lion_update_", "apply_codes_",
            "apply_signs_", "pack_positive", "pack_positive_counting", "unpack_signs", "count_zeros", "majority",
            "NONFINITE"]
 
@@ -63,21 +97,79 @@ def supported(*tensors: Tensor) -> bool:
 
 
 # -- building and loading ----------------------------------------------------------------------
+_BASE_FLAGS = ["-O3", "-ffp-contract=off", "-fno-trapping-math", "-shared", "-fPIC"]
+_TUNE_FLAGS = ["-march=native"]
+
+#: What ``fused=False`` costs instead, for the error messages.
+FALLBACK_COST = ("the same values, but the elementwise work runs as separate tensor operations (one pass over "
+                 "memory per operation, one call per tensor): on one CPU thread a Lion step takes several times as "
+                 "long")
+
+_lock = threading.RLock()
+_library: Optional[ctypes.CDLL] = None  # set once, by load()
+_library_path: Optional[Path] = None
+_scratch: Optional[Path] = None  # this process's private build directory where the cache is read-only
+
+
+class UnsafeCacheError(OSError):
+    """The cache directory (or a library in it) could be written by another user: dlion does not
+    load native code from there."""
+
+
 def _cache_dir() -> Path:
+    """``$DLION_CACHE_DIR``, else ``$XDG_CACHE_HOME/dlion``, else ``~/.cache/dlion`` (read now, not
+    at import)."""
     base = os.environ.get("DLION_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "dlion")
-    path = Path(base)
+    return Path(base)
+
+
+def _check_private(path: Path, what: str = "directory") -> None:
+    """Refuse a directory or library that another user could have written: owned by someone other
+    than this user (or root), or writable by group or others."""
+    st = path.stat()
+    problems = []
+    if hasattr(os, "getuid") and st.st_uid not in (os.getuid(), 0):
+        problems.append(f"it is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})")
+    who = [w for w, bit in (("its group", stat.S_IWGRP), ("others", stat.S_IWOTH)) if st.st_mode & bit]
+    if who:
+        problems.append(f"it is writable by {' and '.join(who)} (mode {stat.S_IMODE(st.st_mode):o})")
+    if problems:
+        raise UnsafeCacheError(
+            f"dlion.kernels will not load native code from the {what} {path}: {'; '.join(problems)}, so another "
+            "user could replace the library it loads. Use a directory only you can write: `chmod go-w` it, or set "
+            "$DLION_CACHE_DIR to one (it is created with mode 700)")
+
+
+def _writable_cache() -> Optional[Path]:
+    """The cache directory, created (mode 0o700) if need be and checked; None where it cannot be
+    created or written (a read-only home). An unsafe directory raises :class:`UnsafeCacheError`."""
+    path = _cache_dir()
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-    except OSError:  # (a read-only home): a private temporary directory instead
-        path = Path(tempfile.gettempdir()) / f"dlion-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
-        path.mkdir(parents=True, exist_ok=True)
-        return path
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError:
+        return None
+    _check_private(path)
+    return path if os.access(path, os.W_OK | os.X_OK) else None
+
+
+def _scratch_dir() -> Path:
+    """A fresh private directory for this process (``tempfile.mkdtemp``: mode 0o700, a name no one
+    can guess), removed at exit: where the library is built when the cache cannot be written."""
+    global _scratch
+    if _scratch is None:
+        _scratch = Path(tempfile.mkdtemp(prefix="dlion-"))
+        atexit.register(shutil.rmtree, str(_scratch), True)
+    return _scratch
+
+
+def tuned() -> bool:
+    """``DLION_NATIVE_TUNE=1``: build for this CPU (``-march=native``), the portable build otherwise."""
+    return os.environ.get("DLION_NATIVE_TUNE", "0") not in ("", "0")
 
 
 def _cpu_identity() -> str:
-    """What -march=native depends on: a library built on one CPU must not be loaded on another
+    """What -march=native depends on: a library tuned for one CPU must not be loaded on another
     (a shared home directory on a mixed cluster)."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -89,43 +181,146 @@ def _cpu_identity() -> str:
     return platform.processor()
 
 
-def _compiler() -> str:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if not cc:
-        raise OSError("no C compiler found (set $CC, or install gcc or clang)")
-    return cc
-
-
-_BASE_FLAGS = ["-O3", "-ffp-contract=off", "-fno-trapping-math", "-shared", "-fPIC"]
-_OPTIONAL_FLAGS = [["-march=native", "-fopenmp"], ["-march=native"], []]
-
-
-def _build() -> ctypes.CDLL:
-    cc = _compiler()
+def _variants() -> list[tuple[list[str], str]]:
+    """(flags, library file name) to try, best first. The name is keyed by the source, the flags
+    and the platform, and by the CPU only for a tuned build (so one portable library serves every
+    x86-64, or every aarch64, machine that shares the cache). Not by the compiler: any compiler
+    given these flags computes the same values."""
     source = _SOURCE.read_bytes()
-    errors = []
-    for extra in _OPTIONAL_FLAGS:
-        flags = _BASE_FLAGS + extra
-        key = hashlib.sha256(b"\0".join([source, cc.encode(), " ".join(flags).encode(), platform.machine().encode(),
-                                         _cpu_identity().encode()])).hexdigest()[:20]
-        target = _cache_dir() / f"kernels-{key}.so"
-        if not target.exists():
-            tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-            proc = subprocess.run([cc, *flags, str(_SOURCE), "-o", str(tmp)], capture_output=True, text=True)
-            if proc.returncode != 0:
-                errors.append(f"{' '.join(flags)}: {proc.stderr.strip()[-400:]}")
-                tmp.unlink(missing_ok=True)
-                continue
-            os.replace(tmp, target)  # atomic: ranks that build at once each load a whole file
-        try:
-            lib = ctypes.CDLL(str(target))
-        except OSError as e:  # (e.g. built with OpenMP whose runtime is not there)
-            errors.append(f"{' '.join(flags)}: {e}")
+    out = []
+    for flags in ([_BASE_FLAGS + _TUNE_FLAGS] if tuned() else []) + [_BASE_FLAGS]:
+        parts = [source, " ".join(flags).encode(), platform.system().encode(), platform.machine().encode()]
+        if flags is not _BASE_FLAGS:
+            parts.append(_cpu_identity().encode())
+        key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]
+        out.append((flags, f"kernels-{key}.so"))
+    return out
+
+
+def _compiler() -> list[str]:
+    """``$CC`` (split like a shell word list: ``ccache gcc`` works), else cc, gcc or clang on PATH."""
+    cc = shlex.split(os.environ.get("CC", ""))
+    if cc:
+        found = shutil.which(cc[0])
+        if not found:
+            raise FileNotFoundError(f"$CC is {os.environ['CC']!r}, and {cc[0]!r} is not an executable")
+        return [found, *cc[1:]]
+    found = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not found:
+        raise FileNotFoundError("no C compiler found (no cc, gcc or clang on PATH, and $CC is not set)")
+    return [found]
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    lib.dl_init()
+    _declare(lib)
+    return lib
+
+
+def _find_or_build() -> tuple[ctypes.CDLL, Path]:
+    """For each variant (:func:`_variants`): the library in the cache (or in this process's scratch
+    directory) if it is there, else built with the C compiler. The cache is looked in before any
+    compiler is looked for, so a library built earlier is used where none is installed."""
+    cache = _cache_dir()
+    writable = _writable_cache()  # (creates it; UnsafeCacheError for one that others can write)
+    dirs = []
+    if cache.is_dir():
+        _check_private(cache)
+        dirs.append(cache)
+    if _scratch is not None:
+        dirs.append(_scratch)
+    notes: list[str] = []
+    cc: Optional[list[str]] = None
+    no_cc: Optional[OSError] = None
+    for flags, name in _variants():
+        for where in dirs:
+            path = where / name
+            if path.is_file():
+                try:
+                    _check_private(path, "file")
+                    return _open(path), path
+                except (OSError, AttributeError) as e:  # (someone else's, or built against another C library)
+                    notes.append(f"{path}: {e}")
+        if cc is None and no_cc is None:
+            try:
+                cc = _compiler()
+            except OSError as e:
+                no_cc = e
+        if cc is None:
             continue
-        lib.dl_init()
-        _declare(lib)
+        target = (writable or _scratch_dir()) / name
+        tmp = target.with_name(f"{name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            proc = subprocess.run([*cc, *flags, str(_SOURCE), "-o", str(tmp)], capture_output=True, text=True)
+            if proc.returncode != 0:
+                notes.append(f"{' '.join(cc + flags)}: {proc.stderr.strip()[-400:]}")
+                continue
+            os.chmod(tmp, 0o755)  # (whatever the umask: no one else may write what is loaded)
+            os.replace(tmp, target)  # atomic: ranks that build at once each load a whole file
+        finally:
+            tmp.unlink(missing_ok=True)
+        try:
+            return _open(target), target
+        except (OSError, AttributeError) as e:
+            notes.append(f"{target}: {e}")
+    if no_cc is not None:
+        looked = ", ".join(str(d) for d in dirs) or f"{cache} (not there)"
+        raise FileNotFoundError(f"{no_cc}, and no library built for this version of {_SOURCE.name} in {looked}"
+                                + "".join(f"\n{n}" for n in notes))
+    raise OSError(f"building {_SOURCE.name} failed:\n" + "\n".join(notes))
+
+
+def load() -> ctypes.CDLL:
+    """Load the native library, building it first if it is not in the cache; what ``fused=True``
+    calls at construction. Raises :class:`RuntimeError` saying what to do where it cannot."""
+    global _library, _library_path
+    lib = _library
+    if lib is not None:
         return lib
-    raise OSError(f"compiling {_SOURCE.name} with {cc} failed:\n" + "\n".join(errors))
+    with _lock:
+        if _library is None:
+            try:
+                _library, _library_path = _find_or_build()
+            except (OSError, subprocess.SubprocessError) as e:
+                raise RuntimeError(fused_error({None: f"{type(e).__name__}: {e}"})) from e
+        return _library
+
+
+def load_error() -> Optional[str]:
+    """:func:`load`, but the reason it failed as a string (None where it loaded): what ranks
+    exchange at construction so that every one raises the same :func:`fused_error`."""
+    try:
+        load()
+        return None
+    except RuntimeError as e:
+        cause = e.__cause__
+        return f"{type(cause).__name__}: {cause}" if cause is not None else str(e)
+
+
+def fused_error(reasons: dict) -> str:
+    """The message of ``fused=True`` where the library cannot be loaded: ``reasons`` maps a rank
+    (None: this process) to why."""
+    ranks = [r for r in reasons if r is not None]
+    where = "; ".join(reason if len(reasons) == 1 else f"rank {rank}: {reason}" for rank, reason in reasons.items())
+    on = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else ""
+    unsafe = "UnsafeCacheError" in where
+    todo = ("give it a cache directory only its user can write ($DLION_CACHE_DIR)" if unsafe else
+            "install a C compiler (gcc or clang; or set $CC to one) on every machine, or build the library once "
+            "where there is one (`dlion kernels`) into a cache directory the others read ($DLION_CACHE_DIR)")
+    return (f"fused=True: dlion's native kernels cannot be loaded{on} ({where}). To use them, {todo}. Or use "
+            f"fused=False: {FALLBACK_COST}.")
+
+
+def loaded_path() -> Optional[Path]:
+    """The file the library was loaded from (None until :func:`load`)."""
+    return _library_path
+
+
+def _lib() -> ctypes.CDLL:
+    """The library, for the fused kernels (loaded at construction by ``fused=True``)."""
+    lib = _library
+    return lib if lib is not None else load()
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -146,28 +341,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.dl_majority.argtypes = [INT, P, I64, I64, P, P, P]
 
 
-@functools.lru_cache(maxsize=None)
-def _load() -> tuple[Optional[ctypes.CDLL], Optional[BaseException]]:
-    try:
-        return _build(), None
-    except (OSError, subprocess.SubprocessError) as e:
-        return None, e
-
-
-def _lib() -> ctypes.CDLL:
-    """The library, for ``fused=True``: a clear error when it cannot be built."""
-    lib, error = _load()
-    if lib is None:
-        raise RuntimeError(
-            f"fused=True: building dlion's native kernels failed ({type(error).__name__}: {error}). They need a "
-            "C compiler (e.g. gcc); install one, or use fused=False (the same results, more passes over "
-            "memory).") from error
-    return lib
-
-
 def available() -> bool:
-    """Whether the native library is there for the codec helpers (``DLION_NATIVE=0``: never)."""
-    return os.environ.get("DLION_NATIVE", "1") != "0" and _load()[0] is not None
+    """Whether the codec helpers use the native library: only where it is already loaded (by a
+    ``fused=True`` optimizer, or :func:`load`); this never builds anything. ``DLION_NATIVE=0``: never."""
+    return _library is not None and os.environ.get("DLION_NATIVE", "1") != "0"
 
 
 # -- calls --------------------------------------------------------------------------------------
@@ -303,7 +480,7 @@ def pack_positive(values: Tensor) -> Tensor:
         raise ValueError(f"pack_positive needs a length that is a multiple of 8, got {v.numel()}")
     if available():
         out = torch.empty(v.numel() // 8, dtype=torch.uint8)
-        _load()[0].dl_pack_positive(v.data_ptr(), v.numel(), out.data_ptr())
+        _library.dl_pack_positive(v.data_ptr(), v.numel(), out.data_ptr())
         return out
     return torch.from_numpy(np.packbits(v.numpy() > 0, bitorder="little"))
 
@@ -315,7 +492,7 @@ def pack_positive_counting(values: Tensor, count: int) -> tuple[Tensor, int]:
         raise ValueError(f"pack_positive needs a length that is a multiple of 8, got {v.numel()}")
     if available():
         out = torch.empty(v.numel() // 8, dtype=torch.uint8)
-        zeros = _load()[0].dl_pack_positive_count_zeros(v.data_ptr(), v.numel(), out.data_ptr(),
+        zeros = _library.dl_pack_positive_count_zeros(v.data_ptr(), v.numel(), out.data_ptr(),
                                                         max(0, min(count, v.numel())))
         return out, int(zeros)
     return pack_positive(v), count_zeros(v[:max(0, count)])
@@ -328,7 +505,7 @@ def unpack_signs(packed: Tensor, n: int) -> Tensor:
         raise ValueError(f"unpack_signs: {n} bits asked of {p.numel()} bytes")
     if available():
         out = torch.empty(n, dtype=torch.int8)
-        _load()[0].dl_unpack_signs(p.data_ptr(), n, out.data_ptr())
+        _library.dl_unpack_signs(p.data_ptr(), n, out.data_ptr())
         return out
     bits = np.unpackbits(p.numpy(), count=n, bitorder="little").view(np.int8)
     return torch.from_numpy(bits * np.int8(2) - np.int8(1))
@@ -338,7 +515,7 @@ def count_zeros(values: Tensor) -> int:
     """How many of the int8 ``values`` (CPU) are 0."""
     v = values.contiguous()
     if available():
-        return int(_load()[0].dl_count_zeros(v.data_ptr(), v.numel()))
+        return int(_library.dl_count_zeros(v.data_ptr(), v.numel()))
     return v.numel() - int(np.count_nonzero(v.numpy()))
 
 
@@ -356,5 +533,21 @@ def majority(rows: np.ndarray, real: int) -> Optional[tuple[np.ndarray, np.ndarr
     pointers = (ctypes.c_void_p * n)(*[base + r * stride for r in range(n)])
     gt, eq = np.empty(w, dtype=np.uint8), np.empty(w, dtype=np.uint8)
     counts = (ctypes.c_int64 * 2)()
-    _load()[0].dl_majority(n, pointers, w, max(0, min(real, 8 * w)), gt.ctypes.data, eq.ctypes.data, counts)
+    _library.dl_majority(n, pointers, w, max(0, min(real, 8 * w)), gt.ctypes.data, eq.ctypes.data, counts)
     return gt, eq, int(counts[0]), int(counts[1])
+
+
+def main(argv: Sequence[str] = ()) -> int:
+    """``dlion kernels``: find or build the library now (e.g. in an image that has a compiler, for
+    machines that will not) and print the file it was loaded from."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="dlion kernels", description=main.__doc__.split(": ", 1)[1])
+    ap.parse_args(list(argv))
+    try:
+        load()
+    except RuntimeError as e:
+        print(f"dlion kernels: {e}", file=sys.stderr)
+        return 1
+    print(loaded_path())
+    return 0

@@ -142,7 +142,9 @@ class Lion(torch.optim.Optimizer):
     """Lion, exactly the four-line rule above. ``foreach=None`` picks the
     multi-tensor path when all parameters are on CUDA or CPU (both paths give
     identical results). ``fused=True`` (CPU parameters only) runs the rule as one
-    native loop over all the tensors, with the same results (module docstring).
+    native loop over all the tensors, with the same results (module docstring); it
+    loads the library at construction (:func:`dlion.kernels.load`, building it on
+    first use), so a machine without a C compiler fails there, saying what to do.
     ``momentum_dtype`` narrows the momentum's storage (see the module docstring)."""
 
     def __init__(
@@ -173,6 +175,8 @@ class Lion(torch.optim.Optimizer):
         check_params([p for grp in self.param_groups for p in grp["params"]])
         if g.get("fused"):
             check_fusable(g["params"])
+            if not getattr(self, "_agree_on_kernels", False):  # (the distributed optimizers check on every rank)
+                kernels.load()  # here, not at the first step: a clear error if they cannot be built
 
     def _momentum_dtype(self, p: Tensor) -> torch.dtype:
         return getattr(self, "momentum_dtype", None) or _state_dtype(p)

@@ -75,11 +75,18 @@ def per_bucket_groups(model: torch.nn.Module, bucket_cap_mb: Optional[float] = N
 class DLionHookState:
     """Per-rank state of :func:`dlion_hook`: each parameter's momentum (keyed by its
     position in ``model.parameters()``, so DDP's bucket rebuild after the first
-    iteration changes nothing), the vote rule, the algorithm and a step counter."""
+    iteration changes nothing), the vote rule, the algorithm and a step counter.
+
+    ``fused=True`` (fp32 CPU buckets): the local math (c, its sign, the 1-bit payload,
+    the momentum update) in the native loops of :mod:`dlion.kernels`, the same values.
+    The library is loaded at construction on every rank (one small all-gather, so pass
+    the same ``fused`` on every rank, as every other option); where any rank cannot load
+    it, every rank raises the same error."""
 
     def __init__(self, model: torch.nn.Module, betas: tuple[float, float] = (0.9, 0.99), *, vote: str = "mavo",
                  ties: str = "zero", comm: str = "1bit", seed: int = 0, process_group=None,
-                 momentum_dtype: Optional[torch.dtype] = None, bucket_cap_mb: Optional[float] = None):
+                 momentum_dtype: Optional[torch.dtype] = None, bucket_cap_mb: Optional[float] = None,
+                 fused: bool = False):
         check_hyperparameters(1.0, betas, 0.0)
         check_momentum_dtype(momentum_dtype)
         self.momentum_dtype = momentum_dtype
@@ -109,6 +116,17 @@ class DLionHookState:
         if comm == "1bit":
             self.transports = [GroupTransport(g, self.comm_stats)
                                for g in per_bucket_groups(model, bucket_cap_mb, process_group)]
+        self.fused = bool(fused)
+        if self.fused:  # the kernels loaded on every rank, or the same error on all of them
+            error = kernels.load_error()
+            if self.world > 1:
+                everyone: list = [None] * self.world
+                dist.all_gather_object(everyone, error, group=process_group)
+                failed = {r: e for r, e in enumerate(everyone) if e is not None}
+            else:
+                failed = {} if error is None else {None: error}
+            if failed:
+                raise RuntimeError(kernels.fused_error(failed))
 
     def _transport(self, index: int) -> GroupTransport:
         if not self.transports:
@@ -159,12 +177,13 @@ def _eager_contribution(state: DLionHookState, grad: Tensor, params: list, n: in
 
 
 def _native_contribution(state: DLionHookState, grad: Tensor, params: list, n: int) -> Optional[Contribution]:
-    """The same from the native loops (:mod:`dlion.kernels`, the same roundings): c's signs, the
-    1-bit payload and the momentum update straight from DDP's flat bucket and the per-parameter
-    momenta, two passes and no copy. None where they do not apply (bf16 momenta, not fp32 CPU)."""
+    """The same from the native loops (:mod:`dlion.kernels`, the same roundings; ``fused=True``):
+    c's signs, the 1-bit payload and the momentum update straight from DDP's flat bucket and the
+    per-parameter momenta, two passes and no copy. None where they do not apply (``fused=False``,
+    bf16 momenta, not fp32 CPU)."""
     sizes = [p.numel() for p in params]
-    if not (n and sum(sizes) == n and grad.dtype == torch.float32 and state.momentum_dtype in (None, torch.float32)
-            and kernels.supported(grad) and kernels.available()):
+    if not (state.fused and n and sum(sizes) == n and grad.dtype == torch.float32
+            and state.momentum_dtype in (None, torch.float32) and kernels.supported(grad)):
         return None
     beta1, beta2 = state.betas
     ms = [state._momentum(p).view(-1) for p in params]

@@ -11,6 +11,7 @@ COMMANDS = {
     "bench": ("dlion.lab.bench", "benchmarks: codec, comm, overlap, e2e"),
     "cluster": ("dlion.lab.cluster", "run a command on a virtual cluster of network namespaces with shaped links"),
     "experiment": ("dlion.lab.experiments", "convergence sweeps on real data (simulated workers)"),
+    "kernels": ("dlion.kernels", "build (or find) the native CPU kernels of fused=True now; print their file"),
 }
 
 

@@ -129,7 +129,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--sequential", action="store_true",
                     help="run the methods one after another (less memory) instead of taking turns step by step")
     ap.add_argument("--fused", action="store_true",
-                    help="every optimizer's fused CPU kernel: dlion's fused=True (compute, G-Lion, D-Lion) and "
+                    help="every optimizer's fused CPU kernel: dlion's fused=True (compute, G-Lion, D-Lion, the DDP "
+                         "hook) and "
                          "torch.optim.AdamW(fused=True) (G-AdamW and its PowerSGD runs)")
     ap.add_argument("--compute-nice", type=int, default=0, metavar="K",
                     help="run each rank's training thread (forward, backward, optimizer) at nice K (0-19) once "

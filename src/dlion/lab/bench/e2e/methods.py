@@ -302,7 +302,8 @@ class MethodRun:
 
                 hook = dlion_hook
                 state = DLionHookState(model, betas=betas, vote="mavo", ties=cfg["ties"], bucket_cap_mb=cap,
-                                       comm="1bit" if method.endswith("-1bit") else "allgather")
+                                       comm="1bit" if method.endswith("-1bit") else "allgather",
+                                       fused=fused)
                 self.hook_state = state  # its comm_stats count what the hook sends (all-gathers, not all-reduces)
             elif method in POWERSGD_ONE:  # error feedback and warm start: PowerSGDState's defaults
                 hook = powerSGD_hook.powerSGD_hook
