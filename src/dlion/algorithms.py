@@ -330,7 +330,10 @@ def _blocks(headers: Tensor, payload: Tensor, blocks: int) -> Tensor:
     """Header and payload of each block side by side, each block padded to 4 bytes, flat uint8."""
     p = payload.view(blocks, -1)
     pad = (-p.shape[1]) % 4
-    parts = [headers.view(torch.uint8).view(blocks, -1).to(p.device), p]
+    h = headers.view(torch.uint8).view(blocks, -1)
+    if p.device.type == "cuda":  # from pinned memory, asynchronously: a copy from pageable memory waits for the GPU
+        h = h.pin_memory().to(p.device, non_blocking=True)
+    parts = [h.to(p.device), p]
     if pad:
         parts.append(p.new_zeros(blocks, pad))
     return torch.cat(parts, dim=1).reshape(-1)
