@@ -74,7 +74,8 @@ class SimulatedDistributedLion:
         self.updates = [b.flat() for b in self.buckets]
         # ties="previous": the last applied codes per bucket (the same on every worker: one copy)
         keeps = ties == "previous" and vote == "mavo" and aggregate == "sign"
-        self.last_votes = [torch.zeros(b.padded, dtype=torch.int8) if keeps else None for b in self.buckets]
+        self.last_votes = [torch.zeros(b.padded, dtype=torch.int8, device=b.device) if keeps else None
+                           for b in self.buckets]
         self.update_views = [b.views(u) for b, u in zip(self.buckets, self.updates)]
         self.scratch = Scratch()
         self.comm_stats = CommStats()
