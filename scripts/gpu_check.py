@@ -11,10 +11,12 @@ after warm-up (CUDA events on the GPU, wall clock on the CPU):
 * the library's contribution of one rank (c = β1·m + (1 − β1)·g, its sign as int8), the 1-bit
   packing of the signs (``codec.SignCodec.encode``) and both together;
 * the majority vote of N = 4 and N = 8 packed rows as the library runs it on this device
-  (``algorithms.OneBit``: on CUDA unpack, count, sign and encode the codes in the rule's wire
-  codec; on the CPU the native bit-sliced vote), ``dlion.bitvote`` called on device tensors (it is
-  numpy code: a row saying whether it runs), and bitvote's bit-sliced adder written in torch ops
-  (not library code: what a CUDA port would reach);
+  (``algorithms.OneBit``: on CUDA the bit-sliced vote in torch ops, codes as 1 bit, or in base 3
+  for ties="zero" at even N; on the CPU the native bit-sliced vote, or unpack, count, sign and
+  base-3 codes for ties="zero" at even N), the library's torch-op vote itself
+  (``OneBit._vote_packed_torch``, ties="random": what device payloads take, forced on the CPU),
+  ``dlion.bitvote`` called on device tensors (it is numpy code: a row saying whether it runs),
+  and bitvote's bit-sliced adder written in torch ops (not library code: the reference);
 * the decoding of the 1-bit codes (``SignCodec.decode``) and their application
   (``buckets.apply_codes``), apart and together;
 * one ``SimulatedDistributedLion`` step at N = 4 (100 parameters, default buckets) and the part of
@@ -47,7 +49,7 @@ import dlion
 import dlion.simulate as simulate_module
 from dlion import bitvote, kernels
 from dlion.aggregation import VoteRule
-from dlion.algorithms import Contribution, OneBit
+from dlion.algorithms import Contribution, OneBit, _torch_vote, vote_tally
 from dlion.buckets import RankBuffers, Scratch, apply_codes, contribute, layout_buckets
 from dlion.codec import SignCodec
 from dlion.simulate import SimulatedDistributedLion
@@ -200,15 +202,18 @@ def bench_contribute_and_pack(b: Bench, n: int):
 
 def library_vote(rows: torch.Tensor, world: int, n: int, alg: OneBit):
     """The vote on one rank's chunk of ``n`` coordinates as ``OneBit.run`` takes it when no rank
-    abstains: straight on the packed bits (the native bit-sliced vote) where the device is the CPU
-    and the codes go back as 1 bit; else unpack, count, decide and encode the codes in the rule's
-    wire codec (base 3 for MaVo with ties="zero" at even N)."""
+    abstains: straight on the packed bits where the codes go back as 1 bit (``_vote_packed``: the
+    native bit-sliced vote on the CPU, torch ops on a device); for ties="zero" at even N (codes in
+    base 3) the torch-op count on a device, and on the CPU unpack, count, decide and encode."""
     codec = alg._codes_codec(False, "runs")
-    if rows.device.type == "cpu" and isinstance(codec, SignCodec):
-        contrib = Contribution(torch.zeros(0, dtype=torch.int8), n, torch.ones(1, dtype=torch.bool))
-        return alg._vote_packed(rows, n, n, 0, 0, contrib)[0]
+    contrib = Contribution(torch.zeros(0, dtype=torch.int8), n, torch.ones(1, dtype=torch.bool))
+    if isinstance(codec, SignCodec):
+        return alg._vote_packed(rows, n, n, 0, 0, contrib)
+    if _torch_vote(rows):
+        codes, tally = alg._vote_packed_torch(rows, n, n, 0, 0, contrib, codes=True)
+        return codec.encode(codes), tally
     s, nz = alg._count(rows, "runs", world, n, None, 0, 0, n, False)
-    return codec.encode(alg.rule.decide(s, nz, key=0, start=0))
+    return codec.encode(alg.rule.decide(s, nz, key=0, start=0)), vote_tally(s, nz, world, n)
 
 
 def torch_bitsliced_vote(rows: torch.Tensor, world: int):
@@ -241,8 +246,13 @@ def bench_vote(b: Bench, n: int):
         for ties in ("zero", "random"):
             alg = OneBit(VoteRule("mavo", world, ties=ties))
             codec = alg._codes_codec(False, "runs")
-            native = b.device.type == "cpu" and isinstance(codec, SignCodec)
-            how = "native bit-sliced" if native else f"unpack, count, sign, {type(codec).__name__[:-5].lower()} codes"
+            codes = f"{type(codec).__name__[:-5].lower()} codes"
+            if b.device.type != "cpu":
+                how = f"bit-sliced in torch ops, {codes}"
+            elif isinstance(codec, SignCodec):
+                how = "native bit-sliced"
+            else:
+                how = f"unpack, count, sign, {codes}"
 
             def setup_lib(alg=alg):
                 rows = rows_of()
@@ -261,6 +271,15 @@ def bench_vote(b: Bench, n: int):
             b.measure(f"vote N={world}, dlion.bitvote on {b.device.type} tensors", setup_bitvote,
                       world * n / 8 + 2 * n / 8, "read N x n/8 + write 2 masks", reps=3, warmup=1,
                       expect_error=b.device.type != "cpu")
+
+        def setup_lib_torch():
+            rows = rows_of()
+            alg = OneBit(VoteRule("mavo", world, ties="random"))
+            contrib = Contribution(torch.zeros(0, dtype=torch.int8), n, torch.ones(1, dtype=torch.bool))
+            return lambda: alg._vote_packed_torch(rows, n, n, 12345, 0, contrib)
+        b.measure(f"vote N={world} ties=random, library torch-op path (OneBit._vote_packed_torch)", setup_lib_torch,
+                  world * n / 8 + n / 8, "read N x n/8 + write the codes (1 bit); planes, tie coins, tally on the "
+                  + ("device" if b.device.type != "cpu" else "CPU, forced (the CPU votes natively)"))
 
         def setup_torch():
             rows = rows_of()

@@ -191,6 +191,101 @@ def test_simulated_cuda_equals_cpu_probe(cfg, world):
     check_sim_equal(world, cfg)
 
 
+# -- the dense 1-bit vote on device payloads (OneBit._vote_packed_torch) ------------------------
+
+def dense_grads(world: int, steps: int, shapes, seed: int = 0):
+    """Every worker has every gradient, no zero, except parameter 2: no worker has it from step 1
+    on (left out of the payload from step 2: the vote runs on gathered coordinates)."""
+    g = torch.Generator().manual_seed(4321 + seed)
+    return [[[None if (k == 2 and t >= 1) else torch.randn(s, generator=g) for k, s in enumerate(shapes)]
+             for _ in range(world)] for t in range(steps)]
+
+
+@pytest.mark.parametrize("ties", ["zero", "random", "previous"])
+@pytest.mark.parametrize("world", [2, 3, 4, 5])
+def test_dense_1bit_vote_on_cuda_equals_cpu_bitwise(world, ties):
+    """Dense SimulatedDistributedLion steps (comm="1bit"): the vote on CUDA payloads runs in torch
+    ops on the device (bit-sliced, tie coins there; ties="zero" at even N: base-3 codes), the CPU's
+    natively; the same parameters, momenta and tallies."""
+    from dlion.algorithms import OneBit
+
+    devices = []
+    original = OneBit._vote_packed_torch
+
+    def spy(self, rows, *a, **kw):
+        devices.append(rows.device.type)
+        return original(self, rows, *a, **kw)
+
+    runs = {}
+    OneBit._vote_packed_torch = spy
+    try:
+        for dev in ("cpu", DEV):
+            params = [p.to(dev) for p in init_params(SHAPES_ODD)]
+            sim = SimulatedDistributedLion(params, world, lr=LR, weight_decay=WD, ties=ties, comm="1bit",
+                                           bucket_cap_mb=CAP_MB, seed=3)
+            for step in dense_grads(world, 4, SHAPES_ODD):
+                sim.step([[None if x is None else x.to(dev) for x in grads] for grads in step])
+            runs[dev] = params, sim
+    finally:
+        OneBit._vote_packed_torch = original
+    (p_cpu, s_cpu), (p_gpu, s_gpu) = runs["cpu"], runs[DEV]
+    if DEV != "cpu":
+        assert devices and set(devices) == {DEV}, devices  # the CPU run voted natively, every CUDA bucket here
+    diff = first_difference(p_gpu, p_cpu)
+    assert not diff, f"ties={ties} N={world}: parameters differ between CUDA and CPU: {diff}"
+    a, b = s_gpu.comm_stats.state_dict(), s_cpu.comm_stats.state_dict()
+    for key in ("bytes_sent", "bytes_received", "collectives", "by_kind", "voted", "unanimous", "tied"):
+        assert a[key] == b[key], f"ties={ties} N={world}: comm_stats[{key!r}]: CUDA {a[key]}, CPU {b[key]}"
+
+
+def test_torch_vote_on_cuda_payloads_equals_cpu_vote():
+    """OneBit's packed vote on CUDA rows (strided, as in the received buffer) against the same rows on
+    the CPU (native vote; ties="zero" at even N: decide + vote_tally), over random inputs, N = 2 … 9,
+    every ties policy, gathered coordinates, padding, and a few large chunks; the tally stays on the
+    device."""
+    import numpy as np
+
+    from dlion.aggregation import VoteRule, coin_bits, coin_bits_torch
+    from dlion.algorithms import Contribution, OneBit, vote_tally
+
+    g = np.random.default_rng(11)
+    for case in range(240):
+        world = int(g.integers(2, 10))
+        blocks = int(g.integers(1, 40)) if case >= 6 else 123_457 + case  # (the last: ~1 M coordinates)
+        ties = ("zero", "random", "previous")[case % 3]
+        gathered, rank = bool(case % 2), int(g.integers(0, world))
+        width, n = 8 * blocks, 8 * blocks * world
+        real = int(g.integers(0, width + 1)) if case % 5 else width
+        signs = g.integers(0, 2, (world, width), dtype=np.uint8)
+        signs[:, real:] = 0
+        wide = np.zeros((world, blocks + 4), dtype=np.uint8)
+        wide[:, 4:] = np.packbits(signs, axis=1, bitorder="little")
+        previous = torch.from_numpy(g.integers(-1, 2, 3 * n, dtype=np.int8))
+        positions = torch.from_numpy(g.permutation(3 * n)[:n].astype(np.int64)) if gathered else None
+        lo, key = rank * width, int(g.integers(0, 2**32))
+        alg = OneBit(VoteRule("mavo", world, ties=ties))
+        cpu_rows = torch.from_numpy(wide)[:, 4:]
+        dev_rows = torch.from_numpy(wide).to(DEV)[:, 4:]
+
+        def contrib(dev):
+            return Contribution(torch.zeros(n, dtype=torch.int8, device=dev), lo + real,
+                                torch.ones(1, dtype=torch.bool), previous=previous.to(dev),
+                                positions=None if positions is None else positions.to(dev))
+        if ties == "zero" and world % 2 == 0:
+            codes, tally = alg._vote_packed_torch(dev_rows, width, real, key, lo, contrib(DEV), codes=True)
+            s = torch.from_numpy(signs.sum(axis=0).astype(np.int16) * 2 - world)
+            want, want_tally = alg.rule.decide(s, None, key=key, start=lo), vote_tally(s, None, world, real)
+            assert same_bits(codes, want), (case, world, ties)
+        else:
+            want, want_tally = alg._vote_packed(cpu_rows, width, real, key, lo, contrib("cpu"))
+            got, tally = alg._vote_packed(dev_rows, width, real, key, lo, contrib(DEV))
+            assert got.device.type == DEV and same_bits(got, want), (case, world, ties, gathered)
+        assert tally.device.type == DEV and tally.tolist() == want_tally.tolist(), (case, world, ties)
+    for start, count in ((0, 8_000_000), (2**33 + 40, 1_000_008), (13, 1001)):
+        key = int(g.integers(0, 2**32))
+        assert np.array_equal(coin_bits_torch(key, start, count, DEV).cpu().numpy(), coin_bits(key, start, count))
+
+
 # -- measurement: host synchronisations per step -------------------------------------------
 
 _SYNC_RESULTS: dict = {}

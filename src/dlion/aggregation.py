@@ -44,9 +44,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .bitvote import le_bytes_torch, pack_bits_torch, unpack_bits_torch
 from .codec import FieldCodec, SignCodec, TritCodec, bits_for
 
-__all__ = ["VoteRule", "tie_coins", "tie_coins_at", "coin_bits", "VOTES", "TIES"]
+__all__ = ["VoteRule", "tie_coins", "tie_coins_at", "coin_bits", "coin_bits_torch", "VOTES", "TIES"]
 
 VOTES = ("mavo", "avg")
 TIES = ("zero", "random", "previous")
@@ -107,6 +108,25 @@ def coin_bits(key: int, start: int, n: int) -> np.ndarray:
         return raw[skip // 8:skip // 8 + n // 8].copy()
     bits = np.unpackbits(raw, bitorder="little")[skip:skip + n]
     return np.packbits(bits, bitorder="little")
+
+
+def _hash_words_torch(key: int, w: Tensor) -> Tensor:
+    """:func:`_hash_words` in int64 torch operations (products below 2^59, masked to 32 bits), in
+    place on ``w`` (int64 word indices)."""
+    w.bitwise_xor_(key & _MASK32).bitwise_and_(_MASK32)
+    for _ in range(2):
+        w.bitwise_xor_(w >> 16).mul_(0x45D9F3B).bitwise_and_(_MASK32)
+    return w.bitwise_xor_(w >> 16)
+
+
+def coin_bits_torch(key: int, start: int, n: int, device=None) -> Tensor:
+    """:func:`coin_bits` as a uint8 tensor on ``device``, computed there (torch operations only)."""
+    first, last = start >> 5, (start + n + 31) >> 5
+    raw = le_bytes_torch(_hash_words_torch(key, torch.arange(first, last, dtype=torch.int64, device=device)))
+    skip = start - 32 * first
+    if skip % 8 == 0 and n % 8 == 0:
+        return raw[skip // 8:skip // 8 + n // 8]
+    return pack_bits_torch(unpack_bits_torch(raw, skip + n)[skip:])
 
 
 def _tie_coins_at_torch(key: int, index: Tensor) -> Tensor:
@@ -173,6 +193,28 @@ class VoteRule:
             moved = np.packbits(last != 0, bitorder="little")
             bits = (moved & np.packbits(last > 0, bitorder="little")) | (~moved & bits)
         return bits
+
+    def tie_bits_torch(self, key: int, start: int, n: int, previous: Optional[Tensor] = None,
+                       device=None) -> Tensor:
+        """:meth:`tie_bits` as a uint8 tensor computed on ``device`` with torch operations (the
+        previous codes are copied there if they live elsewhere)."""
+        bits = coin_bits_torch(key, start, n, device)
+        if self.ties == "previous" and previous is not None:
+            last = previous[start:start + n].to(bits.device)
+            moved, plus = pack_bits_torch(last != 0), pack_bits_torch(last > 0)
+            bits = bits ^ (moved & (bits ^ plus))  # plus where moved, the coin elsewhere
+        return bits
+
+    def tie_codes_torch(self, key: int, at: Tensor, previous: Optional[Tensor] = None) -> Tensor:
+        """:meth:`tie_codes` with torch operations on ``at``'s device, for every coordinate of ``at``
+        (not only tied ones: no host synchronisation to find them); an ``at`` past the end of
+        ``previous`` (padding, never tied) reads its last code instead of failing."""
+        tied = _tie_coins_at_torch(key, at)
+        if self.ties == "previous" and previous is not None:
+            prev = previous.to(at.device)
+            last = prev[at.clamp(max=prev.numel() - 1)].to(torch.int8)
+            tied = torch.where(last != 0, last, tied)
+        return tied
 
     def tie_codes(self, key: int, at: Tensor, previous: Optional[Tensor] = None) -> Tensor:
         """±1 (int8) for tied coordinates ``at`` (int64, bucket coordinates), ``ties`` "random"

@@ -55,7 +55,8 @@ from torch import Tensor
 
 from . import kernels
 from .aggregation import VoteRule
-from .bitvote import compare_count, count_planes, popcount_prefix
+from .bitvote import (compare_count, compare_count_torch, count_planes, count_planes_torch, equals_all_torch,
+                      pack_bits_torch, popcount_prefix, popcount_prefix_torch, unpack_bits_torch)
 from .codec import ALIGN, FieldCodec, SignCodec, TritCodec, bits_for
 from .collectives import bytes_moved, field_width, pack_fields, unpack_fields
 
@@ -68,6 +69,15 @@ _ABSTAINS, _FITS, _OVERFLOW = 4, 8, 16
 _SCATTERED = 32                # many zeros besides the parameters the sender has no gradient for
 _BITMAP_BITS = 16              # has-gradient bits per int32 header word (no sign-bit games)
 _SIGN, _TRIT = SignCodec(), TritCodec()
+
+#: The packed-bit majority vote (no abstention) runs in torch operations on the payload's device
+#: (:meth:`OneBit._vote_packed_torch`) for every payload not on the CPU; True makes CPU payloads
+#: take it too (tests compare it with the native/numpy vote the CPU takes otherwise).
+TORCH_VOTE = False
+
+
+def _torch_vote(payloads: Tensor) -> bool:
+    return TORCH_VOTE or payloads.device.type != "cpu"
 
 
 @dataclass
@@ -320,7 +330,10 @@ def _blocks(headers: Tensor, payload: Tensor, blocks: int) -> Tensor:
     """Header and payload of each block side by side, each block padded to 4 bytes, flat uint8."""
     p = payload.view(blocks, -1)
     pad = (-p.shape[1]) % 4
-    parts = [headers.view(torch.uint8).view(blocks, -1).to(p.device), p]
+    h = headers.view(torch.uint8).view(blocks, -1)
+    if p.device.type == "cuda":  # from pinned memory, asynchronously: a copy from pageable memory waits for the GPU
+        h = h.pin_memory().to(p.device, non_blocking=True)
+    parts = [h.to(p.device), p]
     if pad:
         parts.append(p.new_zeros(blocks, pad))
     return torch.cat(parts, dim=1).reshape(-1)
@@ -463,6 +476,8 @@ class OneBit(Algorithm):
         """MaVo of this rank's chunk straight from the senders' packed sign bits (no abstention, codes
         back as 1 bit): the packed codes (exactly ``_SIGN.encode(rule.decide(s, None, …))``) and the
         tally over the ``real`` coordinates that are not padding (:mod:`dlion.bitvote`)."""
+        if _torch_vote(rows):
+            return self._vote_packed_torch(rows, width, real, key, lo, contrib)
         N = self.world
         real = max(0, min(real, width))
         native = kernels.majority(rows.numpy(), real)
@@ -483,6 +498,37 @@ class OneBit(Algorithm):
                 plus[where] = codes.numpy() > 0
                 gt |= np.packbits(plus, bitorder="little")
         return torch.from_numpy(gt), torch.tensor([real, unanimous, tied], dtype=torch.int64)
+
+    def _vote_packed_torch(self, rows: Tensor, width: int, real: int, key: int, lo: int, contrib: Contribution,
+                           codes: bool = False) -> tuple[Tensor, Tensor]:
+        """:meth:`_vote_packed` in torch operations on ``rows``' device, with no host synchronisation:
+        the same packed codes, and the tally as an int64 tensor there (read once per step with the
+        others). ``codes=True`` (``ties="zero"`` at even N, whose codes go back in base 3): the int8
+        codes instead, 0 where tied (exactly ``rule.decide(s, None, …)``)."""
+        N, dev = self.world, rows.device
+        real = max(0, min(real, width))
+        planes = count_planes_torch(rows)
+        gt, eq = compare_count_torch(planes, N // 2)  # count > N/2: +1; count == N/2 (even N): a tie
+        # unanimous: count 0 or N; the rest is "some but not all" = (count > 0) ^ (count == N)
+        some = planes[0]
+        for x in planes[1:]:
+            some = some | x
+        unanimous = real - popcount_prefix_torch(some ^ equals_all_torch(planes, N), real)
+        tied = popcount_prefix_torch(eq, real) if N % 2 == 0 else torch.zeros((), dtype=torch.int64, device=dev)
+        tally = torch.stack([unanimous.new_full((), real), unanimous, tied])
+        if codes:  # +1 where gt, 0 where tied, −1 elsewhere (gt and eq never overlap)
+            out = unpack_bits_torch(gt, width, torch.int8).mul(2).sub_(1)
+            if N % 2 == 0 and self.rule.ties == "zero":
+                out.add_(unpack_bits_torch(eq, width, torch.int8))
+            return out, tally
+        if N % 2 == 0:  # every coordinate's tie code, kept where tied: no host sync to find the ties
+            if contrib.positions is None:
+                bits = self.rule.tie_bits_torch(key, lo, width, contrib.previous, dev)
+            else:  # gathered coordinates (a compacted bucket): each one's code at its bucket coordinate
+                at = contrib.index(lo, width).to(dev)
+                bits = pack_bits_torch(self.rule.tie_codes_torch(key, at, contrib.previous) > 0)
+            gt = gt | (eq & bits)
+        return gt, tally
 
     def wire(self, n: int, k: int) -> list[tuple[str, int]]:
         N, c = self.world, n // self.world
@@ -524,18 +570,22 @@ class OneBit(Algorithm):
         if out.failed:
             return out
         down_codec = self._codes_codec(info["abstains"], state.down)
-        if (fmt == "runs" and not info["abstains"] and self.rule.vote == "mavo"
-                and isinstance(down_codec, SignCodec) and payloads.device.type == "cpu"):
-            # every rank voted everywhere and the codes come back as 1 bit: vote on the packed bits
+        dense = fmt == "runs" and not info["abstains"] and self.rule.vote == "mavo"  # every rank voted everywhere
+        if dense and isinstance(down_codec, SignCodec):
+            # the codes come back as 1 bit: vote on the packed bits (natively on the CPU, torch ops elsewhere)
             block, out.tally = self._vote_packed(payloads[:, :c // 8], c, numel - lo, key, lo, contrib)
             gathered = yield ("all_gather", block, "codes")
             out.signs = gathered.reshape(-1)[:n // 8]  # decoded only if asked for (Outcome.codes)
             return out
-        s, nz = self._count(payloads[:, :codec.nbytes(c)], fmt, N, c, _runs_table(hdrs, k, fmt, info), cap, lo,
-                            numel, info["abstains"])
-        mine = self.rule.decide(s, nz, key=key, start=lo, index=contrib.index(lo, c),
-                                 previous=contrib.previous)
-        out.tally = vote_tally(s, nz, N, numel - lo)
+        if dense and _torch_vote(payloads):  # ties="zero" at even N (codes back in base 3): the same count
+            mine, out.tally = self._vote_packed_torch(payloads[:, :c // 8], c, numel - lo, key, lo, contrib,
+                                                      codes=True)
+        else:
+            s, nz = self._count(payloads[:, :codec.nbytes(c)], fmt, N, c, _runs_table(hdrs, k, fmt, info), cap, lo,
+                                numel, info["abstains"])
+            mine = self.rule.decide(s, nz, key=key, start=lo, index=contrib.index(lo, c),
+                                     previous=contrib.previous)
+            out.tally = vote_tally(s, nz, N, numel - lo)
         voters = _voters(contrib, hdrs, info) if info["abstains"] else None
         if voters is not None:  # abstentions (nearly) only on whole parameters: every rank knows the voters
             down = _ByVoters(self.rule, voters, contrib.sizes, n, N, cap)

@@ -20,7 +20,10 @@ from torch import Tensor
 
 from . import kernels
 from .algorithms import Contribution, padded_length
+from .codec import SignCodec
 from .quantize import quantize
+
+_SIGN = SignCodec()
 
 __all__ = ["Bucket", "LeftOut", "layout_buckets", "work_dtype"]
 
@@ -151,7 +154,8 @@ class RankBuffers:
         #: it gave them, for :func:`update_momentum`; None when they were copied into ``grad``.
         self.borrowed: Optional[tuple[list[Optional[Tensor]], float]] = None
         #: ``fused=True``: the last :func:`contribute`'s 1-bit payload (packed bits of values > 0) and
-        #: how many of its values are 0, computed in the same pass as the signs; None otherwise.
+        #: how many of its values are 0, computed in the same pass as the signs; also the signs of
+        #: tensors off the CPU (their zero count read with the finiteness check); None otherwise.
         self.packed: Optional[Tensor] = None
         self.zeros: Optional[int] = None
         #: ``ties="previous"``: the codes of the last applied step (int8, the padded bucket), else None
@@ -226,7 +230,11 @@ def contribute(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], scrat
         for j, ok in enumerate(present):
             if not ok:
                 out[b.offsets[j]:b.offsets[j] + b.sizes[j]].zero_()
-    return values, present, finite
+    if isinstance(finite, Tensor):  # (signs off the CPU) one host read for the flag and the zero count, which
+        # the 1-bit header needs (OneBit.run takes it with the payload instead of its own check for zeros)
+        finite, nonzero = torch.stack([finite.to(torch.int64), torch.count_nonzero(out)]).tolist()
+        buf.packed, buf.zeros = _SIGN.encode(values), b.numel - nonzero
+    return values, present, bool(finite)
 
 
 def _eager_contribution(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], present: list[bool],
@@ -250,7 +258,8 @@ def _eager_contribution(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor
             buf.grad.neg_()
         torch.mul(buf.grad, 1.0 - beta1, out=scaled)
     c.add_(scaled)
-    finite = _all_finite(c)
+    # signs off the CPU: the flag stays on the device, for contribute to read with the zero count
+    finite = _finite_flag(c) if quant is None and c.device.type != "cpu" else _all_finite(c)
     if quant is None:
         out.copy_(torch.sign(c, out=scaled))  # sign(0) = 0: an abstention
     else:
@@ -408,7 +417,14 @@ def apply_signs(b: Bucket, signs: Tensor, active: list[bool], lr: float, weight_
 
 def _all_finite(c: Tensor) -> bool:
     """One min/max reduction (NaN propagates, ±inf shows at an end): much cheaper than isfinite().all()."""
-    return bool(torch.isfinite(torch.stack(torch.aminmax(c.reshape(-1)))).all()) if c.numel() else True
+    return bool(_finite_flag(c))
+
+
+def _finite_flag(c: Tensor) -> Tensor:
+    """:func:`_all_finite` as a 0-d bool tensor on ``c``'s device (no host synchronisation)."""
+    if not c.numel():
+        return torch.ones((), dtype=torch.bool, device=c.device)
+    return torch.isfinite(torch.stack(torch.aminmax(c.reshape(-1)))).all()
 
 
 __all__ += ["RankBuffers", "Scratch", "contribute", "fused_applies", "update_momentum", "scale_codes",

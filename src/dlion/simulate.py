@@ -74,7 +74,8 @@ class SimulatedDistributedLion:
         self.updates = [b.flat() for b in self.buckets]
         # ties="previous": the last applied codes per bucket (the same on every worker: one copy)
         keeps = ties == "previous" and vote == "mavo" and aggregate == "sign"
-        self.last_votes = [torch.zeros(b.padded, dtype=torch.int8) if keeps else None for b in self.buckets]
+        self.last_votes = [torch.zeros(b.padded, dtype=torch.int8, device=b.device) if keeps else None
+                           for b in self.buckets]
         self.update_views = [b.views(u) for b, u in zip(self.buckets, self.updates)]
         self.scratch = Scratch()
         self.comm_stats = CommStats()
@@ -114,8 +115,10 @@ class SimulatedDistributedLion:
                 if self.sign_hooks[i] is not None:
                     values[:b.numel] = self.sign_hooks[i](step, values[:b.numel].clone())
                 present.append(has)
+                own = self.sign_hooks[i] is None  # (a hook changes the values: no payload of contribute's then)
                 contrib = Contribution(values, b.numel, torch.tensor(has, dtype=torch.bool), 0, 0, sizes=b.sizes,
-                                       previous=self.last_votes[kb])
+                                       previous=self.last_votes[kb], packed=buf.packed if own else None,
+                                       zeros=buf.zeros if own else None)
                 gens.append(run_compacted(self.algorithms[kb], self.wire[kb][i], contrib, i,
                                           coin_key(self.seed, step, kb), self.left_out[kb].skip,
                                           self.left_out[kb].kept))
