@@ -2,55 +2,18 @@
 
 import json
 import math
-import os
-import struct
 
 import pytest
 
 pytest.importorskip("matplotlib")
 
 from dlion.lab.bench import ttq  # noqa: E402
+from figure_support import capture_figures, drawn_share, png_size, series  # noqa: E402
 
 
 @pytest.fixture
 def figures(monkeypatch):
-    """Every matplotlib figure saved during the test, by file name (the figure keeps its artists
-    after plt.close): what was drawn, not only that a file was written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    saved = {}
-    real = Figure.savefig
-
-    def savefig(self, fname, *args, **kw):
-        saved[os.path.basename(str(fname))] = self
-        return real(self, fname, *args, **kw)
-
-    monkeypatch.setattr(Figure, "savefig", savefig)
-    return saved
-
-
-def png_size(path) -> tuple:
-    """(width, height) from a PNG's IHDR chunk."""
-    head = open(path, "rb").read(24)
-    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR", path
-    return struct.unpack(">II", head[16:24])
-
-
-def drawn_share(path) -> float:
-    """The fraction of the image's pixels that are not white (a blank figure has none)."""
-    import matplotlib.image
-
-    rgb = matplotlib.image.imread(str(path))[..., :3]
-    return float((rgb < 0.98).any(-1).mean())
-
-
-def series(ax) -> dict:
-    """label -> (xdata, ydata) of the axes' labelled lines."""
-    return {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in ax.get_lines()
-            if not ln.get_label().startswith("_")}
+    return capture_figures(monkeypatch)
 
 
 def test_lr_schedule_warms_up_then_decays_to_a_tenth():
