@@ -105,13 +105,24 @@ def test_importing_the_hf_adapter_refuses_a_changed_private_method(monkeypatch):
         import_adapter("hf")
 
 
-def test_importing_the_lightning_adapter_warns_and_refuses_a_changed_private_method(monkeypatch):
+@pytest.fixture
+def strategy_registry():
+    """Lightning's strategy registry, put back as it was after the test (the probe registers its own
+    class). Its entries are read with dict.__getitem__: the registry's get() builds a strategy."""
     need("lightning")
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    names = ("dlion", "dlion_spawn", "dlion_fork")
+    saved = {n: dict.__getitem__(StrategyRegistry, n) for n in names if n in StrategyRegistry}
+    yield StrategyRegistry
+    for n in names:
+        StrategyRegistry.pop(n, None)
+    StrategyRegistry.update(saved)
+
+
+def test_importing_the_lightning_adapter_warns_and_refuses_a_changed_private_method(monkeypatch, strategy_registry):
     from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
-    for name in ("dlion", "dlion_spawn", "dlion_fork"):  # the probe registers its own class: put them back after
-        if name in StrategyRegistry:
-            monkeypatch.setitem(StrategyRegistry, name, StrategyRegistry[name])
     fake_versions(monkeypatch, lightning="2.0.9")
     with pytest.warns(UserWarning, match=re.escape("supports lightning>=2.1.0,<3 and was tested with")):
         probe = import_adapter("lightning")
@@ -124,7 +135,7 @@ def test_importing_the_lightning_adapter_warns_and_refuses_a_changed_private_met
 
 
 def test_the_lightning_registry_holds_the_adapters_own_class_again():
-    """(After the probe above, monkeypatch restored the registry.)"""
+    """(After the probe above, the fixture restored the registry.)"""
     need("lightning")
     from lightning.pytorch.strategies import StrategyRegistry
 
