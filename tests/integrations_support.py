@@ -138,6 +138,38 @@ def snapshot(model, opt) -> dict:
             "num_params": inner.num_params}
 
 
+def _pad4(nbytes: int) -> int:
+    return nbytes + (-nbytes) % 4
+
+
+def onebit_bytes_sent(buckets, world: int, up: str = "runs", down: str = "ternary") -> int:
+    """Bytes one rank sends in one optimizer step of ``comm="1bit"`` (Lion Cub's 1-bit
+    all-reduce), counted here from its wire format, not by dlion. Per bucket of padded length
+    n with k parameters (``buckets``: (n, k) pairs) on N ranks, each rank owns a chunk of
+    c = n/N coordinates and a block carries cap = max(4, c // 3200) zero-run slots:
+
+    * way up, an all_to_all: to each of the N − 1 others, a header of 3 + ⌈k/16⌉ int32 words
+      (status, digest, run count, has-gradient bitmap) plus 2·cap words of run slots, and the
+      signs of that rank's chunk, 1 bit each (``up="runs"``); or the same header without slots
+      and base-3 digits, 5 per byte (``up="ternary"``);
+    * way back, an all_gather: this rank's chunk of vote results to each of the N − 1 others,
+      base-3 digits (``down="ternary"``: an even N with ties='zero' has ties, three values) or
+      1 bit each after a header of 1 + 2·cap words (``down="runs"``).
+
+    Payloads are padded to 4 bytes."""
+    total = 0
+    for n, k in buckets:
+        c = n // world
+        cap = max(4, c // 3200)
+        if up == "runs":
+            up_block = 4 * (3 + -(-k // 16) + 2 * cap) + _pad4(c // 8)
+        else:
+            up_block = 4 * (3 + -(-k // 16)) + _pad4(c // 5)
+        down_block = _pad4(c // 5) if down == "ternary" else 4 * (1 + 2 * cap) + _pad4(c // 8)
+        total += (world - 1) * (up_block + down_block)
+    return total
+
+
 def assert_bitwise_equal(a: dict, b: dict, what: str) -> None:
     assert a.keys() == b.keys(), (what, sorted(a), sorted(b))
     for k in a:

@@ -189,9 +189,20 @@ def test_dgc_sends_one_dimensional_tensors_dense_with_momentum():
     sparse = (N - 1) * 2 * 64
     dense = 2 * (N - 1) / N * 40 * 32
     assert agg.bits.per_param_per_step() == pytest.approx((sparse + dense) / 1240)
-    # the old behaviour (biases compressed too) is still available and differs
+    # the old behaviour (biases compressed too) is still available and differs: the bias is
+    # sparsified like the matrix (top-k, k = ⌈0.001·40⌉ = 1 per worker), not averaged with momentum
     old = DGC(shapes, N, density=0.001, momentum=m, dense_1d=False)
     assert old.compressed == [True, True]
+    torch.manual_seed(1)
+    M = torch.zeros(40)
+    for _ in range(3):
+        g = [torch.randn(N, 30, 40), torch.randn(N, 40)]
+        out = old(g)
+        M = m * M + g[1].mean(0)
+        assert 1 <= int((out[1] != 0).sum()) <= N  # k = 1 per worker
+        assert not torch.allclose(out[1], M)
+    # counted: one all-gather of 2 + 1 pairs per worker to N − 1 ranks, nothing dense
+    assert old.bits.per_param_per_step() == pytest.approx((N - 1) * (2 + 1) * 64 / 1240)
 
 
 def test_dgc_at_density_one_is_momentum_sgd_exactly():

@@ -1,12 +1,19 @@
 """``dlion bench ttq``: the composition of curves and step times, and a loopback smoke run."""
 
 import json
+import math
 
 import pytest
 
 pytest.importorskip("matplotlib")
 
 from dlion.lab.bench import ttq  # noqa: E402
+from figure_support import capture_figures, drawn_share, png_size, series  # noqa: E402
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    return capture_figures(monkeypatch)
 
 
 def test_lr_schedule_warms_up_then_decays_to_a_tenth():
@@ -42,9 +49,20 @@ def test_ttq_loopback_smoke(tmp_path, capsys):
     assert rc == 0
     doc = json.loads((tmp_path / "ttq_results.json").read_text())
     assert [s for s, _ in doc["curves"]["g-lion"]] == [0, 3, 6]
-    assert doc["composed"]["methods"]["g-lion"]["steps_to_target"] == 6  # L is G-Lion's final loss
     assert doc["curves"]["g-lion"][0] == doc["curves"]["d-mavo-1bit-ov"][0]  # same initial model
-    assert "target L" in capsys.readouterr().out
+    # the initial model predicts about uniformly over the 84 characters: ln 84 = 4.43 (measured 4.44);
+    # 6 steps at lr 1e-3 take both methods ~0.19 nats below it (4.25, 4.26 measured), a model
+    # whose update were lost or of the wrong sign would not get 0.1 below
+    start = doc["curves"]["g-lion"][0][1]
+    assert start == pytest.approx(math.log(84), abs=0.1)
+    for m in ("g-lion", "d-mavo-1bit-ov"):
+        assert doc["curves"][m][-1][1] < start - 0.1, (m, doc["curves"][m])
+    # counted here: CharGPT(84, block 64, 1 layer, 1 head, n_embd 32), lm_head tied to wte
+    d, v, t = 32, 84, 64
+    params = v * d + t * d + (2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d)) + 2 * d
+    assert params == 17_504 and all(r["params"] == params for r in doc["runs"].values())
+    assert doc["composed"]["target_loss"] == doc["curves"]["g-lion"][-1][1]  # (L: G-Lion's final loss)
+    assert "target L = 4." in capsys.readouterr().out
 
 
 def test_ttq_with_a_given_target_trains_only_the_listed_methods(tmp_path, capsys):
@@ -87,7 +105,7 @@ def test_ttq_extend_trains_only_the_new_methods_with_the_stored_workload(tmp_pat
     assert all(m["steps_to_target"] == 0 for m in again["composed"]["methods"].values())  # L = 99: at step 0
 
 
-def test_ttq_hierarchical_and_bf16_momentum_report_their_state(tmp_path, capsys):
+def test_ttq_hierarchical_and_bf16_momentum_report_their_state(tmp_path, capsys, figures):
     # 4 ranks as 2 nodes × 2: the hierarchical method holds half a node momentum per rank; bf16 momentum is
     # half of fp32 — optimizer state bytes per rank against G-Lion's fp32 momentum, and a loss-vs-step plot
     rc = ttq.main(["--workers", "4", "--per-node", "2", "--methods", "h-mavo-1bit,d-mavo-1bit-ov-m16",
@@ -100,11 +118,18 @@ def test_ttq_hierarchical_and_bf16_momentum_report_their_state(tmp_path, capsys)
     assert state["g-lion"] == 4 * params
     assert state["d-mavo-1bit-ov-m16"] == 2 * params
     assert 2 * params <= state["h-mavo-1bit"] < 2 * params + 4 * 40 * 4 * 8  # half of it, plus slice padding
-    assert (tmp_path / "ttq_loss_vs_step.png").stat().st_size > 0
+    # the loss-vs-step plot (6.5 × 4.5 in at 110 dpi): one line per method, its evaluations after step 0
+    png = tmp_path / "ttq_loss_vs_step.png"
+    assert png_size(png) == (715, 495) and drawn_share(png) > 0.02
+    from dlion.lab.bench.e2e.methods import label
+
+    ax, = figures["ttq_loss_vs_step.png"].axes
+    assert series(ax) == {label(m): ([2], [c[-1][1]]) for m, c in doc["curves"].items()}
+    assert set(doc["curves"]) == {"g-lion", "h-mavo-1bit", "d-mavo-1bit-ov-m16"}
     assert "optimizer state per rank" in capsys.readouterr().out
 
 
-def test_ttq_plot_draws_more_methods_than_it_has_colours(tmp_path):
+def test_ttq_plot_draws_more_methods_than_it_has_colours(tmp_path, figures):
     from dlion.lab.bench.e2e.methods import METHODS
 
     methods = [m for m in METHODS if m != "ddp-dlion-hook"][:20]  # more than the palette's 12 colours
@@ -112,7 +137,18 @@ def test_ttq_plot_draws_more_methods_than_it_has_colours(tmp_path):
     step_ms = {m: {"50mbit": 100.0 + i, "1gbit": 50.0 + i} for i, m in enumerate(methods)}
     comp = ttq.compose(curves, step_ms, reference=methods[0])
     ttq.plot(curves, step_ms, comp, ["50mbit", "1gbit"], str(tmp_path / "p.png"), "t")
-    assert (tmp_path / "p.png").stat().st_size > 0
+    assert png_size(tmp_path / "p.png") == (1210, 550)  # 2 links × 5.5 in, 5 in, at 110 dpi
+    assert drawn_share(tmp_path / "p.png") > 0.02
+    from dlion.lab.bench.e2e.methods import label
+
+    axes = figures["p.png"].axes
+    assert [ax.get_title() for ax in axes] == ["link 50mbit", "link 1gbit"]
+    for ax, link in zip(axes, ["50mbit", "1gbit"]):  # every method, at steps × its step time
+        assert series(ax) == {label(m): ([50 * step_ms[m][link] / 1e3, 100 * step_ms[m][link] / 1e3],
+                                         [3.0 - 0.01 * i, 2.5 - 0.01 * i]) for i, m in enumerate(methods)}
+        styles = [(ln.get_color(), ln.get_linestyle()) for ln in ax.get_lines() if not ln.get_label().startswith("_")]
+        assert len(styles) == 20 and len(set(styles)) >= 12  # the palette's 12 colours (+ the fixed ones) in use
+    assert [t.get_text() for t in axes[0].get_legend().get_texts()] == [label(m) for m in methods]
 
 
 def test_time_to_target_uses_the_mean_step_time_where_the_e2e_result_has_it(tmp_path):
@@ -143,7 +179,7 @@ def _seed_doc(seed, rows, target=2.1, lr=2e-4, warmup=0.05):
                 for m, (s, f, times) in rows.items()}}}
 
 
-def test_across_seeds_lists_every_seed_and_averages_only_those_that_reached_the_target(tmp_path, capsys):
+def test_across_seeds_lists_every_seed_and_averages_only_those_that_reached_the_target(tmp_path, capsys, figures):
     from dlion.lab.bench import ttq_seeds
 
     a = _seed_doc(0, {"g-lion": (500, 1.9, {"50mbit": 100.0, "1gbit": 10.0}),
@@ -169,7 +205,21 @@ def test_across_seeds_lists_every_seed_and_averages_only_those_that_reached_the_
     text = capsys.readouterr().out
     assert "steps to L 500 / never / 400; reached in 2 of 3" in text
     assert "first at 50mbit: D-Lion MaVo 1bit +overlap in 2 of 3, G-Lion (DDP fp32) in 1 of 3" in text
-    assert (tmp_path / "out" / "ttq_seeds.png").stat().st_size > 0
+    # the plot: per link, each method's seeds that reached L as dots on its row, a bar at their mean,
+    # "never ×1" where a seed that ran did not reach it (5.2 in per link, 0.5 in per method + 1.8)
+    png = tmp_path / "out" / "ttq_seeds.png"
+    assert png_size(png) == (1144, 308) and drawn_share(png) > 0.02
+    axes = figures["ttq_seeds.png"].axes
+    assert [ax.get_title() for ax in axes] == ["50mbit: time to L = 2.10", "1gbit: time to L = 2.10"]
+    for ax, k in zip(axes, ["50mbit", "1gbit"]):
+        dots = [sorted(map(tuple, c.get_offsets().tolist())) for c in ax.collections]
+        want = {"50mbit": ([(80.0, 0.0), (100.0, 0.0)], [(30.0, 1.0), (36.0, 1.0)], 90.0, 33.0),
+                "1gbit": ([(8.0, 0.0), (10.0, 0.0)], [(12.0, 1.0), (14.0, 1.0)], 9.0, 13.0)}[k]
+        assert dots[0] == want[0] and dots[2] == want[1], dots  # G-Lion row 0 (then its "never"), D-Lion row 1
+        assert dots[1] == [(max(100.0, 36.0) * 1.25 if k == "50mbit" else 14.0 * 1.25, 0.0)]
+        bars = [(list(ln.get_xdata()), list(ln.get_ydata())) for ln in ax.get_lines()]
+        assert bars == [([want[2]] * 2, [-0.3, 0.3]), ([want[3]] * 2, [0.7, 1.3])]
+        assert [t.get_text() for t in ax.texts] == ["never ×1"]
 
 
 def test_across_seeds_keeps_methods_run_at_different_lr_apart(capsys):

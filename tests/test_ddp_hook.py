@@ -1,6 +1,8 @@
 """D-Lion as a DDP communication hook: bitwise equal to DistributedLion where the semantics
 coincide (every parameter used, zero ties), several buckets, 2 and 3 Gloo ranks."""
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -66,6 +68,45 @@ def test_ddp_hook_equals_distributed_lion_bitwise(world, vote, comm, mdtype, fus
             assert a.dtype == b.dtype == (mdtype or torch.float32) and torch.equal(a, b)
     for r in results[1:]:
         for a, b in zip(r[1], results[0][1]):
+            assert torch.equal(a, b)
+
+
+def eager_hook_worker(rank, world, vote, comm):
+    """hook_worker with the native loops off (``DLION_NATIVE=0``, read by dlion.kernels.available()
+    at every call): the hook's eager fp32 path (torch ops) computes every contribution."""
+    from dlion import kernels
+    from dlion.integrations import ddp as ddp_module
+
+    os.environ["DLION_NATIVE"] = "0"  # this worker process only
+    assert not kernels.available()
+    calls = {"eager": 0, "native": 0}
+    eager, native = ddp_module._eager_contribution, ddp_module._native_contribution
+
+    def counted(name, fn):
+        def wrapper(*args):
+            out = fn(*args)
+            calls[name] += out is not None
+            return out
+        return wrapper
+
+    ddp_module._eager_contribution = counted("eager", eager)
+    ddp_module._native_contribution = counted("native", native)
+    return hook_worker(rank, world, vote, comm), calls
+
+
+@pytest.mark.parametrize("world, vote, comm", [(2, "mavo", "allgather"), (3, "mavo", "1bit")])
+def test_ddp_hook_eager_fp32_path_equals_distributed_lion_bitwise(world, vote, comm):
+    results = spawn(eager_hook_worker, world, vote, comm, timeout_s=60)
+    for (ref, hooked, m_ref, m_hook, calls, steps), used in results:
+        # one bucket in the first step, two after DDP's rebuild: 1 + 2·4 contributions, all eager
+        assert used == {"eager": 1 + 2 * 4, "native": 0}, used
+        assert steps == 5
+        for a, b in zip(ref, hooked):
+            assert torch.equal(a, b)
+        for a, b in zip(m_ref, m_hook):
+            assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
+    for r in results[1:]:
+        for a, b in zip(r[0][1], results[0][0][1]):
             assert torch.equal(a, b)
 
 

@@ -20,7 +20,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E4
 import dlion  # noqa: E402
 from dlion.integrations import hf as dlion_hf  # noqa: E402
 from integrations_support import (WORLD, PG_TIMEOUT_S, TokenData, Window, assert_bitwise_equal,  # noqa: E402
-                                  assert_replicas_and_momenta, replay_delayed, snapshot, spawn, start_worker,
+                                  assert_replicas_and_momenta, onebit_bytes_sent, replay_delayed, snapshot, spawn,
+                                  start_worker,
                                   stop_watchdog, tiny_gpt2)
 
 K = 3  # optimizer steps before the checkpoint; the runs go to 2K
@@ -67,6 +68,8 @@ def worker(rank, world, tmp):
         trainer.train()  # max_grad_norm=1.0 (the default): each rank clips its own gradient
         out["wrapped"] = isinstance(trainer.model_wrapped, torch.nn.parallel.DistributedDataParallel)
         out["num_params"] = trainer.dlion_optimizer.num_params
+        out["buckets"] = [(b.padded, len(b.params)) for b in trainer.dlion_optimizer.buckets]
+        out["algorithms"] = trainer.dlion_optimizer.algorithm_names
         out["bytes_per_step"] = counter.window.total / counter.window.windows
         out["windows"] = counter.window.windows
         out["logs"] = [h for h in trainer.state.log_history if "loss" in h]
@@ -116,8 +119,16 @@ def test_trainer_votes_checkpoints_every_rank_and_resumes_bitwise(tmp_path):
         assert r["a"]["steps"] == r["b"]["steps"] and r["b"]["comm_steps"] == 2 * K
         # One log per step, each with this step's communication figures.
         assert [h["step"] for h in r["logs"]] == list(range(1, 2 * K + 1))
-        for h in r["logs"]:
-            assert 0 < h["comm/bits_per_param_per_step"] < 4 and h["comm/bytes_sent_per_step"] > 0
+        # The vote's traffic, counted from the wire format (comm="1bit", N = 2): signs up as 1 bit
+        # (the only zeros of c, the unused position rows 16..31 of wpe, fit the run slots), results
+        # back in base 3 (ties='zero' at an even N: three values); received = sent.
+        assert set(r["algorithms"]) == {"1bit"}
+        sent = onebit_bytes_sent(r["buckets"], WORLD, up="runs", down="ternary")
+        assert 1.28 < 8 * sent / P < 1.36  # (1 + 1.6)·(N − 1)/N = 1.3 bits, plus headers and padding
+        for h in r["logs"][1:]:  # (the first step may re-send a bucket while the wire formats settle)
+            assert h["comm/bytes_sent_per_step"] == pytest.approx(sent, rel=0.01), (h, sent)
+            assert h["comm/bits_per_param_per_step"] == pytest.approx(16 * sent / P, rel=0.01), (h, sent, P)
+        assert r["logs"][0]["comm/bytes_sent_per_step"] >= sent
         assert [h["comm/steps"] for h in r["logs"]] == [float(s) for s in range(1, 2 * K + 1)]
         # The resumed run's logs continue (the step counter came back with rank r's state).
         assert [h["comm/steps"] for h in r["b_logs"]][-K:] == [float(s) for s in range(K + 1, 2 * K + 1)]

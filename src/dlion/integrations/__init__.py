@@ -12,10 +12,12 @@ framework's own checkpoints, and reports per-step communication figures.
 
 Importing this package imports no framework; each submodule imports its own
 framework when it is imported. The framework versions the adapters were
-tested with are in :data:`TESTED_VERSIONS` (install them with
-``pip install "dlion[hf]"`` / ``"dlion[lightning]"``).
+tested with are in :data:`TESTED_VERSIONS`, the ranges they support (what
+``pip install "dlion[hf]"`` / ``"dlion[lightning]"`` accepts) in
+:data:`SUPPORTED_VERSIONS`; importing an adapter warns outside those ranges and
+raises where a private method it overrides has other parameters.
 """
 
-from ._common import TESTED_VERSIONS, CommMeter, comm_figures, unwrap_optimizer
+from ._common import SUPPORTED_VERSIONS, TESTED_VERSIONS, CommMeter, comm_figures, unwrap_optimizer
 
-__all__ = ["TESTED_VERSIONS", "CommMeter", "comm_figures", "unwrap_optimizer"]
+__all__ = ["TESTED_VERSIONS", "SUPPORTED_VERSIONS", "CommMeter", "comm_figures", "unwrap_optimizer"]

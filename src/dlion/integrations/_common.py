@@ -17,13 +17,21 @@ import torch.distributed as dist
 
 from ..distributed import DistributedLion
 
-__all__ = ["TESTED_VERSIONS", "CommMeter", "comm_figures", "unwrap_optimizer", "rank_state_path",
+__all__ = ["TESTED_VERSIONS", "SUPPORTED_VERSIONS", "CommMeter", "comm_figures", "unwrap_optimizer", "rank_state_path",
            "save_rank_state", "load_rank_state", "rank_state_exists_everywhere", "to_cpu"]
 
 #: The framework versions the adapters were written against and tested with
-#: (the ``hf`` and ``lightning`` extras pin them). The adapters override a few
-#: private methods of these frameworks; other versions get a warning.
+#: (``scripts/setup_env.sh`` installs exactly these for the test suite).
 TESTED_VERSIONS = {"transformers": "5.23.0", "accelerate": "1.15.0", "lightning": "2.6.6"}
+
+#: The versions the ``hf`` and ``lightning`` extras accept, ``[lowest, first excluded)``. The
+#: lower bounds are the first releases with every private method the adapters override (and
+#: the calls to it they rely on) as in the tested versions: transformers 5.3.0
+#: (``Trainer.create_optimizer(model)``, ``_prepare_for_training``, ``_run_epoch``),
+#: accelerate 1.14.0 (``prepare_model`` marks a model prepared and leaves a prepared one
+#: alone), lightning 2.1.0 (``Trainer.save_checkpoint`` calls ``strategy.save_checkpoint``).
+#: The upper bounds are the next major versions.
+SUPPORTED_VERSIONS = {"transformers": ("5.3.0", "6"), "accelerate": ("1.14.0", "2"), "lightning": ("2.1.0", "3")}
 
 RANK_FILE = "optimizer_rank{rank}.pt"
 RANK_FORMAT = "dlion-rank-optimizer"
@@ -32,21 +40,58 @@ RANK_FORMAT_VERSION = 1
 _warned: set = set()
 
 
+def _release(v: str) -> tuple:
+    """The numeric release part of a version string: "5.23.0.dev0" -> (5, 23, 0)."""
+    import re
+
+    m = re.match(r"\d+(?:\.\d+)*", v.strip())
+    return tuple(int(x) for x in m.group(0).split(".")) if m else ()
+
+
+def _pad(t: tuple, n: int = 4) -> tuple:
+    return t + (0,) * (n - len(t))
+
+
+def in_supported_range(package: str, have: str) -> bool:
+    """Whether version ``have`` of ``package`` is in :data:`SUPPORTED_VERSIONS`' range."""
+    low, high = SUPPORTED_VERSIONS[package]
+    got = _pad(_release(have))
+    return _pad(_release(low)) <= got < _pad(_release(high))
+
+
 def check_version(package: str) -> None:
-    """Warn (once) when ``package`` is not the version the adapters were tested with."""
+    """Warn (once) when ``package`` is outside the range the adapters support (and the
+    ``hf`` / ``lightning`` extras accept), naming the versions they were tested with."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         have = version(package)
     except PackageNotFoundError:  # e.g. a source checkout; nothing to compare
         return
-    want = TESTED_VERSIONS[package]
-    if have != want and package not in _warned:
-        _warned.add(package)
-        warnings.warn(f"dlion.integrations was tested with {package}=={want}, you have {have}; it overrides "
-                      f"private {package} methods (checked at import), so check that checkpoints still hold every "
-                      f"rank's optimizer state (pip install 'dlion[...]' installs the tested versions).",
-                      stacklevel=3)
+    if in_supported_range(package, have) or package in _warned:
+        return
+    _warned.add(package)
+    low, high = SUPPORTED_VERSIONS[package]
+    warnings.warn(f"dlion.integrations supports {package}>={low},<{high} and was tested with {_tested()}; you have "
+                  f"{package} {have}. The adapters override private {package} methods: their parameters are checked "
+                  f"at import, but what the methods do may have changed, so check that checkpoints still hold "
+                  f"every rank's optimizer state, or install a supported version (pip install 'dlion[hf]' or "
+                  f"'dlion[lightning]').", stacklevel=3)
+
+
+def _tested() -> str:
+    return ", ".join(f"{k}=={v}" for k, v in TESTED_VERSIONS.items())
+
+
+def _installed(cls: type) -> str:
+    """"<package> <version>" of the framework that defines ``cls``, as far as it is known."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    package = cls.__module__.split(".")[0]
+    try:
+        return f"{package} {version(package)}"
+    except (PackageNotFoundError, ValueError):
+        return f"{package} (version unknown)"
 
 
 def require_method(cls: type, name: str, params: list[str]) -> None:
@@ -54,12 +99,12 @@ def require_method(cls: type, name: str, params: list[str]) -> None:
     that overrides a method the framework no longer calls would silently do nothing."""
     fn = getattr(cls, name, None)
     if fn is None or not callable(fn):
-        raise RuntimeError(f"dlion.integrations: {cls.__module__}.{cls.__qualname__}.{name} no longer exists; "
-                           f"this adapter overrides it (tested versions: {TESTED_VERSIONS}).")
+        raise RuntimeError(f"dlion.integrations: {cls.__module__}.{cls.__qualname__}.{name} no longer exists in "
+                           f"{_installed(cls)}; this adapter overrides it (tested versions: {_tested()}).")
     got = list(inspect.signature(fn).parameters)
     if got != params:
-        raise RuntimeError(f"dlion.integrations: {cls.__qualname__}.{name} has parameters {got}, the adapter "
-                           f"expects {params} (tested versions: {TESTED_VERSIONS}).")
+        raise RuntimeError(f"dlion.integrations: {cls.__qualname__}.{name} has parameters {got} in {_installed(cls)}, "
+                           f"the adapter that overrides it expects {params} (tested versions: {_tested()}).")
 
 
 def unwrap_optimizer(opt: Any) -> Any:
