@@ -26,15 +26,18 @@ from collections import defaultdict
 import numpy as np
 
 from .vote_efficiency import equivalence, equivalence_lines
-from .runner import METHODS, beta2_of, common_bits, dgc_clip, is_legacy, label, parse_method, quant_bits_of
+from .runner import ALL_METHODS, beta2_of, common_bits, dgc_clip, is_legacy, label, parse_method, quant_bits_of
 
 __all__ = ["summarize", "report", "markdown_tables"]
 
 COLORS = {"glion": "#1f77b4", "gadamw": "#9467bd", "terngrad": "#8c564b", "graddrop": "#e377c2",
           "dgc": "#7f7f7f", "powersgd_lion": "#bcbd22", "powersgd_adamw": "#393b79", "dlion_avg": "#2ca02c",
-          "dlion_mavo": "#d62728", "dlion_mavo_rties": "#ff9896", "lioncub_quant": "#ff7f0e", "lioncub_msync": "#17becf"}
+          "dlion_mavo": "#d62728", "dlion_mavo_rties": "#ff9896", "lioncub_quant": "#ff7f0e", "lioncub_msync": "#17becf",
+          "dlocal_mavo": "#a50f15", "diloco_adamw": "#54278f", "diloco_lion": "#08519c",
+          "diloco_adamw_bf16": "#9e9ac8", "diloco_lion_bf16": "#6baed6"}
 MARKERS = {"glion": "o", "gadamw": "s", "terngrad": "v", "graddrop": "^", "dgc": "<", "powersgd_lion": ">",
-           "powersgd_adamw": "h", "dlion_avg": "D", "dlion_mavo": "*", "dlion_mavo_rties": "*", "lioncub_quant": "P", "lioncub_msync": "X"}
+           "powersgd_adamw": "h", "dlion_avg": "D", "dlion_mavo": "*", "dlion_mavo_rties": "*", "lioncub_quant": "P", "lioncub_msync": "X",
+           "dlocal_mavo": "*", "diloco_adamw": "s", "diloco_lion": "o", "diloco_adamw_bf16": "s", "diloco_lion_bf16": "o"}
 
 
 def _base(m):
@@ -53,10 +56,10 @@ def _line(m):
 
 
 def _ordered(methods):
-    """Specs in the order of METHODS, then by parameter."""
+    """Specs in the order of ALL_METHODS, then by parameter."""
     def key(m):
         base, arg = parse_method(m)
-        return (METHODS.index(base), arg if arg is not None else 0)
+        return (ALL_METHODS.index(base), arg if arg is not None else 0, m)
     return sorted(methods, key=key)
 
 
