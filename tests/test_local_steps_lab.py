@@ -216,3 +216,33 @@ def test_run_one_with_local_steps(spec):
     assert rec["bits_source"] == "counted (formula)" and rec["bits"] > 0
     again = run_one("shakespeare", spec, 2, 0, 5, {"lr": 1e-3, "weight_decay": 0.1})
     assert again["curve"] == rec["curve"]  # deterministic for a seed
+
+
+def test_local_plot_summarises_and_draws(tmp_path):
+    import json
+
+    from dlion.lab.experiments.local_plot import main
+
+    def rec(method, seed, final, bits, lr=1e-4):
+        return {"key": f"{method}|{seed}|{lr}", "task": "charlm", "tune": False, "method": method, "workers": 4,
+                "seed": seed, "budget": 2000, "steps": 2000, "lr": lr, "weight_decay": 0.1, "metric": "val_loss",
+                "final": final, "diverged": False, "seconds": 1.0, "bits": bits, "bits_axis": "per_rank_sent"}
+
+    every = [rec("glion", s, 1.78 + 0.01 * s, 48.0) for s in range(3)] + [rec("dlion_mavo:b2=0.99", 0, 1.9, 2.0)]
+    local = [rec("dlocal_mavo:10", s, f, 0.195) for s, f in ((0, 1.81), (1, 1.80), (2, 1.84))] + \
+        [rec("dlocal_mavo:25", 0, 1.83, 0.078), rec("diloco_adamw:10", 0, 1.7, 4.8, lr=3e-3),
+         rec("diloco_lion:10:outer_lr=0.1", 0, 1.9, 4.8)]
+    paths = []
+    for name, rs in (("a.jsonl", every), ("b.jsonl", local)):
+        paths.append(str(tmp_path / name))
+        with open(paths[-1], "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rs)
+    assert main(paths + ["--out", str(tmp_path / "out")]) == 0
+    rows = {r["method"]: r for r in json.load(open(tmp_path / "out" / "summary.json"))}
+    assert set(rows) == {"glion", "dlocal_mavo:10", "dlocal_mavo:25", "diloco_adamw:10",
+                         "diloco_lion:10:outer_lr=0.1"}  # the β2 variant is no default point
+    r = rows["dlocal_mavo:10"]
+    assert (r["median"], r["min"], r["max"], r["seeds"], r["H"]) == (1.81, 1.80, 1.84, [0, 1, 2], 10)
+    assert rows["diloco_lion:10:outer_lr=0.1"]["line"] == "diloco_lion:outer_lr=0.1"
+    assert (tmp_path / "out" / "final_vs_bits.png").stat().st_size > 0
+    assert (tmp_path / "out" / "summary.csv").read_text().startswith("method,label,kind")
