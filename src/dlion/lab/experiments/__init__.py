@@ -34,7 +34,7 @@ import sys
 
 import torch
 
-from .runner import METHODS, canonical, hparams_for, load_runs, run_real, sweep, tune
+from .runner import LOCAL_METHODS, METHODS, canonical, hparams_for, load_runs, run_real, sweep, tune
 from .tasks import TASKS
 
 __all__ = ["main", "build_parser"]
@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", choices=TASKS, default="mnist1d")
     p.add_argument("--methods", type=_methods, default=None,
                    help=f"comma-separated specs (BASE or BASE:PARAM), or 'all' (the default for a sweep): "
-                        f"{', '.join(METHODS)}; --plot-only: default every method in the results file")
+                        f"{', '.join(METHODS)}; methods that talk every H steps (not in 'all'): "
+                        f"{', '.join(f'{m}:H' for m in LOCAL_METHODS)}; --plot-only: default every method in the results file")
     p.add_argument("--workers", type=_ints, default=None,
                    help="N values, e.g. 4,8,16,32 (default 4,8,16,32; --plot-only: those in the file)")
     p.add_argument("--seeds", type=_ints, default=None, help="default 0,1,2 (--plot-only: those in the file)")

@@ -26,15 +26,18 @@ from collections import defaultdict
 import numpy as np
 
 from .vote_efficiency import equivalence, equivalence_lines
-from .runner import METHODS, beta2_of, common_bits, dgc_clip, is_legacy, label, parse_method, quant_bits_of
+from .runner import ALL_METHODS, LOCAL_METHODS, beta2_of, canonical, common_bits, dgc_clip, is_legacy, label, parse_method, quant_bits_of
 
 __all__ = ["summarize", "report", "markdown_tables"]
 
 COLORS = {"glion": "#1f77b4", "gadamw": "#9467bd", "terngrad": "#8c564b", "graddrop": "#e377c2",
           "dgc": "#7f7f7f", "powersgd_lion": "#bcbd22", "powersgd_adamw": "#393b79", "dlion_avg": "#2ca02c",
-          "dlion_mavo": "#d62728", "dlion_mavo_rties": "#ff9896", "lioncub_quant": "#ff7f0e", "lioncub_msync": "#17becf"}
+          "dlion_mavo": "#d62728", "dlion_mavo_rties": "#ff9896", "lioncub_quant": "#ff7f0e", "lioncub_msync": "#17becf",
+          "dlocal_mavo": "#a50f15", "diloco_adamw": "#54278f", "diloco_lion": "#006d2c",
+          "diloco_adamw_bf16": "#9e9ac8", "diloco_lion_bf16": "#74c476"}
 MARKERS = {"glion": "o", "gadamw": "s", "terngrad": "v", "graddrop": "^", "dgc": "<", "powersgd_lion": ">",
-           "powersgd_adamw": "h", "dlion_avg": "D", "dlion_mavo": "*", "dlion_mavo_rties": "*", "lioncub_quant": "P", "lioncub_msync": "X"}
+           "powersgd_adamw": "h", "dlion_avg": "D", "dlion_mavo": "*", "dlion_mavo_rties": "*", "lioncub_quant": "P", "lioncub_msync": "X",
+           "dlocal_mavo": "*", "diloco_adamw": "s", "diloco_lion": "p", "diloco_adamw_bf16": "s", "diloco_lion_bf16": "p"}
 
 
 def _base(m):
@@ -44,6 +47,8 @@ def _base(m):
 def _line(m):
     """The settings joined into one frontier line: one per base method (and DGC clipping threshold)."""
     b = _base(m)
+    if b in LOCAL_METHODS:  # one line over H per base and options: "diloco_lion" or "diloco_lion:outer_lr=0.1"
+        return ":".join([b] + canonical(m).split(":")[2:])
     if beta2_of(m) is not None:
         return f"{b}:b2={beta2_of(m):g}"
     if quant_bits_of(m) is not None:
@@ -53,10 +58,10 @@ def _line(m):
 
 
 def _ordered(methods):
-    """Specs in the order of METHODS, then by parameter."""
+    """Specs in the order of ALL_METHODS, then by parameter."""
     def key(m):
         base, arg = parse_method(m)
-        return (METHODS.index(base), arg if arg is not None else 0)
+        return (ALL_METHODS.index(base), arg if arg is not None else 0, m)
     return sorted(methods, key=key)
 
 

@@ -23,6 +23,27 @@ base                aggregation → update                                      
 ``lioncub_msync``   Lion Cub: MaVo + fp32 momentum averaging every K = 32 steps
 ==================  ==================================================================  =========================
 
+**Methods that talk every H steps** (:mod:`.local_steps`; every worker has its own
+parameters, the anchor is evaluated). Spec ``BASE:H`` (default H = 10), options as
+further ``:key=value`` fields, e.g. ``dlocal_mavo:25:alpha=0.5:ef=0:ties=random``,
+``diloco_lion:10:outer_lr=0.1``:
+
+======================  ================================================================  ==============================
+base                    round (H local steps, then)                                       options (default)
+======================  ================================================================  ==============================
+``dlocal_mavo``         local Lion; anchor ← anchor − α·Σlr·sign(Σ sign(e_i)) (1-bit       ``alpha`` (1), ``ef`` (1: error
+                        vote of the displacements with error feedback)                     feedback), ``ties`` (zero|random)
+``diloco_adamw``        local AdamW; fp32 mean pseudo-gradient → outer Nesterov SGD        ``outer_lr`` (0.7),
+                                                                                           ``outer_momentum`` (0.9)
+``diloco_lion``         local Lion; the same outer step                                   as above
+``diloco_adamw_bf16``   as ``diloco_adamw``, pseudo-gradients sent in bf16                 as above
+``diloco_lion_bf16``    as ``diloco_lion``, pseudo-gradients sent in bf16                  as above
+======================  ================================================================  ==============================
+
+Their learning rate and weight decay, when a config does not name the spec, are those
+of the every-step method with the same inner optimizer (``glion`` for the Lion ones,
+``gadamw`` for the AdamW ones; :func:`hparams_for`).
+
 **Bits, one axis for all:** every record's ``bits`` is what *one rank sends* per
 parameter per step (mean over the run) under the method's best collective —
 fp32 ring all-reduce 2·32·(N−1)/N for G-Lion / G-AdamW, the all-reduces of P and
@@ -50,9 +71,10 @@ from dlion.lion import Lion
 from dlion.simulate import SimulatedDistributedLion
 
 from . import baselines as B
+from . import local_steps as L
 from .tasks import ShakespeareTask, Task, make_task
 
-__all__ = ["METHODS", "LABELS", "GRIDS", "DEFAULTS", "make_method", "run_one", "run_key", "sweep", "tune",
+__all__ = ["METHODS", "LOCAL_METHODS", "ALL_METHODS", "local_options", "LABELS", "GRIDS", "DEFAULTS", "make_method", "run_one", "run_key", "sweep", "tune",
            "load_runs", "run_real", "dlion_options", "MOMENTUM_SYNC_K", "parse_method", "canonical", "label", "family", "common_bits",
            "dgc_clip", "beta2_of", "quant_bits_of", "BITS_AXIS"]
 
@@ -63,12 +85,25 @@ IMPL = 2                   # 2: the audited baselines (DGC after its reference c
 METHODS = ("glion", "gadamw", "terngrad", "graddrop", "dgc", "powersgd_lion", "powersgd_adamw", "dlion_avg",
            "dlion_mavo", "dlion_mavo_rties", "lioncub_quant", "lioncub_msync")
 
+# methods that talk every H steps (local_steps.py); not part of "all" (every-step methods)
+LOCAL_METHODS = ("dlocal_mavo", "diloco_adamw", "diloco_lion", "diloco_adamw_bf16", "diloco_lion_bf16")
+ALL_METHODS = METHODS + LOCAL_METHODS
+DEFAULT_H = 10
+# options of a local-step spec, in their canonical order, with defaults
+LOCAL_OPTIONS = {"dlocal_mavo": {"alpha": 1.0, "ef": 1, "ties": "zero"},
+                 **{b: {"outer_lr": 0.7, "outer_momentum": 0.9} for b in LOCAL_METHODS if b.startswith("diloco")}}
+# the every-step method whose tuned lr / weight decay a local-step method takes by default
+LOCAL_TWIN = {"dlocal_mavo": "glion", "diloco_adamw": "gadamw", "diloco_adamw_bf16": "gadamw",
+              "diloco_lion": "glion", "diloco_lion_bf16": "glion"}
+
 LABELS = {
     "glion": "G-Lion", "gadamw": "G-AdamW", "terngrad": "TernGrad", "graddrop": "GradDrop", "dgc": "DGC",
     "powersgd_lion": "PowerSGD + Lion", "powersgd_adamw": "PowerSGD + AdamW",
     "dlion_avg": "D-Lion Avg", "dlion_mavo": "D-Lion MaVo", "dlion_mavo_rties": "D-Lion MaVo (random ties)",
     "lioncub_quant": "Lion Cub quant (L1, 8b)",
     "lioncub_msync": f"Lion Cub MaVo+msync K={MOMENTUM_SYNC_K}",
+    "dlocal_mavo": "D-Local MaVo", "diloco_adamw": "DiLoCo (AdamW)", "diloco_lion": "DiLoCo (Lion)",
+    "diloco_adamw_bf16": "DiLoCo (AdamW, bf16)", "diloco_lion_bf16": "DiLoCo (Lion, bf16)",
 }
 
 # the compression parameter of a spec: (kind, default)
@@ -77,7 +112,49 @@ PARAMS = {"graddrop": ("density", 0.01), "dgc": ("density", 0.001), "powersgd_li
 
 FAMILY = {"glion": "lion", "dlion_avg": "lion", "dlion_mavo": "lion", "dlion_mavo_rties": "lion", "lioncub_quant": "lion",
           "lioncub_msync": "lion", "powersgd_lion": "lion", "gadamw": "adamw", "graddrop": "adamw",
-          "powersgd_adamw": "adamw", "terngrad": "sgdm", "dgc": "sgdm"}
+          "powersgd_adamw": "adamw", "terngrad": "sgdm", "dgc": "sgdm",
+          "dlocal_mavo": "lion", "diloco_lion": "lion", "diloco_lion_bf16": "lion",
+          "diloco_adamw": "adamw", "diloco_adamw_bf16": "adamw"}
+
+
+def local_options(spec: str) -> dict:
+    """H and the options of a local-step spec ``BASE[:H[:key=value]...]``, defaults filled in:
+    ``local_options("dlocal_mavo:25:ef=0")`` → {"H": 25, "alpha": 1.0, "ef": 0, "ties": "zero"}."""
+    base, *fields = spec.split(":")
+    if base not in LOCAL_METHODS:
+        raise ValueError(f"{base!r} is no local-step method ({', '.join(LOCAL_METHODS)})")
+    out = {"H": DEFAULT_H, **LOCAL_OPTIONS[base]}
+    if fields and fields[0] != "":
+        try:
+            h = float(fields[0])
+        except ValueError:
+            raise ValueError(f"the second field of {spec!r} must be H (steps per round)") from None
+        if h != int(h) or h < 1:
+            raise ValueError(f"H must be a positive integer, got {spec!r}")
+        out["H"] = int(h)
+    for f in fields[1:]:
+        key, eq, value = f.partition("=")
+        if not eq or key not in LOCAL_OPTIONS[base]:
+            raise ValueError(f"{base} takes the options {', '.join(k + '=' for k in LOCAL_OPTIONS[base])}, "
+                             f"got {f!r} in {spec!r}")
+        if key == "ties":
+            if value not in ("zero", "random"):
+                raise ValueError(f"ties must be zero or random, got {spec!r}")
+            out[key] = value
+        elif key == "ef":
+            if value not in ("0", "1"):
+                raise ValueError(f"ef must be 0 or 1, got {spec!r}")
+            out[key] = int(value)
+        else:
+            try:
+                v = float(value)
+            except ValueError:
+                v = float("nan")
+            ok = 0 <= v < 1 if key == "outer_momentum" else v > 0
+            if not ok:
+                raise ValueError(f"bad {key} in {spec!r}")
+            out[key] = v
+    return out
 
 
 def parse_method(spec: str) -> tuple[str, Optional[float]]:
@@ -85,6 +162,8 @@ def parse_method(spec: str) -> tuple[str, Optional[float]]:
     DGC takes one more field, its local clipping threshold: ``"dgc:0.01:clip=1"`` (see :func:`dgc_clip`)."""
     base, _, arg = spec.partition(":")
     arg, _, extra = arg.partition(":")
+    if base in LOCAL_METHODS:  # "dlocal_mavo:25:alpha=0.5" → ("dlocal_mavo", 25)
+        return base, local_options(spec)["H"]
     if arg.startswith("b2="):  # a Lion-family method with another β2: "dlion_mavo:b2=0.99"
         if base not in METHODS or FAMILY[base] != "lion" or extra:
             raise ValueError(f"only a Lion-family method takes b2=BETA2, as its only field, got {spec!r}")
@@ -100,7 +179,7 @@ def parse_method(spec: str) -> tuple[str, Optional[float]]:
             raise ValueError(f"only dgc takes a third field (clip=C), got {spec!r}")
         dgc_clip(spec)
     if base not in METHODS:
-        raise ValueError(f"unknown method {base!r}; choose from {', '.join(METHODS)}")
+        raise ValueError(f"unknown method {base!r}; choose from {', '.join(ALL_METHODS)}")
     if base not in PARAMS:
         if arg:
             raise ValueError(f"method {base!r} takes no parameter, got {spec!r}")
@@ -164,6 +243,11 @@ def quant_bits_of(spec: str) -> Optional[int]:
 def canonical(spec: str) -> str:
     """The spec with its parameter written out: ``"dgc"`` → ``"dgc:0.001"``."""
     base, arg = parse_method(spec)
+    if base in LOCAL_METHODS:
+        opts = local_options(spec)
+        extra = "".join(f":{k}={opts[k]:g}" if isinstance(opts[k], float) else f":{k}={opts[k]}"
+                        for k, default in LOCAL_OPTIONS[base].items() if opts[k] != default)
+        return f"{base}:{arg}{extra}"
     if beta2_of(spec) is not None:
         return f"{base}:b2={beta2_of(spec):g}"
     if quant_bits_of(spec) is not None:
@@ -182,6 +266,20 @@ def label(spec: str, legacy: bool = False) -> str:
     """Legend text of a spec; ``legacy``: a record of the pre-audit DGC / GradDrop."""
     base, arg = parse_method(spec)
     text = LABELS[base]
+    if base in LOCAL_METHODS:
+        opts = local_options(spec)
+        text += f" H={arg}"
+        if opts.get("alpha", 1.0) != 1.0:
+            text += f", α={opts['alpha']:g}"
+        if opts.get("ef", 1) == 0:
+            text += ", no EF"
+        if opts.get("ties", "zero") == "random":
+            text += ", random ties"
+        if opts.get("outer_lr", 0.7) != 0.7:
+            text += f", outer lr {opts['outer_lr']:g}"
+        if opts.get("outer_momentum", 0.9) != 0.9:
+            text += f", outer momentum {opts['outer_momentum']:g}"
+        return text
     if base in ("dgc", "graddrop") and ":" in spec:
         text += f" {100 * arg:g} %"
         if base == "dgc" and dgc_clip(spec) is not None:
@@ -353,6 +451,14 @@ def make_method(spec, params, world_size, hp, task_name, seed, total_steps):
     if beta2_of(spec) is not None:
         betas = dict(betas, lion=(betas["lion"][0], beta2_of(spec)))
     name = parse_method(spec)[0]
+    if name in LOCAL_METHODS:
+        o = local_options(spec)
+        if name == "dlocal_mavo":
+            return L.LocalVote(params, world_size, o["H"], hp, betas, seed, total_steps, alpha=o["alpha"],
+                               error_feedback=bool(o["ef"]), ties=o["ties"])
+        return L.DiLoCo(params, world_size, o["H"], hp, betas, seed, total_steps,
+                        inner="adamw" if "adamw" in name else "lion", bf16=name.endswith("_bf16"),
+                        outer_lr=o["outer_lr"], outer_momentum=o["outer_momentum"])
     if name.startswith(("dlion", "lioncub")):
         return SimMethod(spec, params, world_size, hp, betas, seed)
     return GlobalMethod(spec, params, world_size, hp, betas, seed, total_steps)
@@ -383,8 +489,9 @@ def run_one(task_name: str, method: str, world_size: int, seed: int, budget: int
     pi = 0
     step = 0
     agreement = []
+    local = getattr(m, "local", False)  # own parameters per worker: gradients at each worker's copy
     for x, y, progress in task.batches(world_size, seed, budget):
-        grads, loss = task.per_worker_grads(model, x, y)
+        grads, loss = task.per_worker_grads(model, x, y, m.worker_params if local else None)
         m.step(grads, task.lr_factor(step, steps))
         step += 1
         losses.append(loss)
@@ -415,6 +522,8 @@ def run_one(task_name: str, method: str, world_size: int, seed: int, budget: int
         # which all N workers' signs agreed, and on which they cancelled (a tie)
         rec["vote_agreement"] = [[p, a[0], a[1]] for p, a in agreement if a is not None]
     rec.update(m.bits())
+    if local:  # H, syncs, options; the evaluated model is the anchor (local_steps.py)
+        rec["local_steps"] = m.record()
     return rec
 
 
@@ -523,7 +632,11 @@ def _append(path: str, rec: dict) -> None:
 
 def hparams_for(config: Optional[dict], task: str, method: str) -> dict:
     methods = (config or {}).get("methods", {})
-    for key in (method, canonical(method)):
+    keys = [method, canonical(method)]
+    base = parse_method(method)[0]
+    if base in LOCAL_TWIN:  # a local-step method: the every-step method of its inner optimizer
+        keys.append(LOCAL_TWIN[base])
+    for key in keys:
         if key in methods:
             c = methods[key]
             return {"lr": c["lr"], "weight_decay": c["weight_decay"]}

@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -96,8 +96,12 @@ class Task:
             pts.append(budget)
         return [float(p) for p in pts]
 
-    def per_worker_grads(self, model: nn.Module, x: Tensor, y: Tensor) -> tuple[list[Tensor], float]:
-        """Stacked gradients [(N, *p.shape) per parameter] and the mean training loss."""
+    def per_worker_grads(self, model: nn.Module, x: Tensor, y: Tensor,
+                         stacked: Optional[list[Tensor]] = None) -> tuple[list[Tensor], float]:
+        """Stacked gradients [(N, *p.shape) per parameter] and the mean training loss.
+        ``stacked``: every worker's own parameters, (N, *p.shape) per parameter in the order of
+        ``model.parameters()`` — worker i's gradient is taken at its own copy (the methods that
+        talk every H steps); None: at the model's parameters, shared by all workers."""
         raise NotImplementedError
 
     def evaluate(self, model: nn.Module) -> float:
@@ -125,8 +129,15 @@ def plain_attention():
         F.scaled_dot_product_attention = original
 
 
-def _params(model: nn.Module) -> dict[str, Tensor]:
-    return {n: p.detach() for n, p in model.named_parameters()}
+def _params(model: nn.Module, stacked: Optional[list[Tensor]] = None) -> tuple[dict[str, Tensor], Optional[int]]:
+    """The parameters by name and vmap's in_dim for them: the model's own (None: shared by
+    the workers) or the workers' stacked copies (0)."""
+    if stacked is None:
+        return {n: p.detach() for n, p in model.named_parameters()}, None
+    names = [n for n, _ in model.named_parameters()]
+    if len(names) != len(stacked):
+        raise ValueError(f"expected {len(names)} stacked parameters, got {len(stacked)}")
+    return dict(zip(names, stacked)), 0
 
 
 @dataclass
@@ -177,14 +188,14 @@ class ImageTask(Task):
         """Samples seen after ``step`` steps, in training-set passes."""
         return step * world_size * self.local_batch / self.data[0].shape[0]
 
-    def per_worker_grads(self, model, x, y):
-        params = _params(model)
+    def per_worker_grads(self, model, x, y, stacked=None):
+        params, pdim = _params(model, stacked)
 
         def loss_fn(p, xb, yb):
             loss = F.cross_entropy(functional_call(model, p, (xb,)), yb)
             return loss, loss
 
-        grads, losses = vmap(grad(loss_fn, has_aux=True), in_dims=(None, 0, 0))(params, x, y)
+        grads, losses = vmap(grad(loss_fn, has_aux=True), in_dims=(pdim, 0, 0))(params, x, y)
         return [grads[n] for n in params], float(losses.mean())
 
     @torch.no_grad()
@@ -238,19 +249,20 @@ class ShakespeareTask(Task):
     def epoch_of(self, step: float, world_size: int) -> float:
         return step
 
-    def per_worker_grads(self, model, x, y):
-        # One vmap over the workers. scaled_dot_product_attention has no batching
+    def per_worker_grads(self, model, x, y, stacked=None):
+        # One vmap over the workers (and over their parameter copies, when ``stacked``
+        # is given). scaled_dot_product_attention has no batching
         # rule on CPU (vmap would fall back to a slow per-sample loop), so inside
         # this call it is replaced by the textbook causal attention
         # softmax(QKᵀ/√d + causal mask)·V, equal to it within float rounding.
-        params = _params(model)
+        params, pdim = _params(model, stacked)
 
         def loss_fn(p, xb, yb):
             loss = functional_call(model, p, (xb, yb))[1]
             return loss, loss
 
         with plain_attention():
-            grads, losses = vmap(grad(loss_fn, has_aux=True), in_dims=(None, 0, 0))(params, x, y)
+            grads, losses = vmap(grad(loss_fn, has_aux=True), in_dims=(pdim, 0, 0))(params, x, y)
         return [grads[n] for n in params], float(losses.mean())
 
     @torch.no_grad()

@@ -1,0 +1,152 @@
+"""Final validation loss against bits sent, for the methods that talk every H steps.
+
+    python -m dlion.lab.experiments.local_plot docs/results/charlm/runs.jsonl \\
+        docs/results/charlm-local/runs.jsonl --out docs/results/charlm-local
+
+Reads any number of ``runs.jsonl`` files (re-run it as more runs finish) and writes to
+``--out``:
+
+``final_vs_bits.png``  final validation loss (median over seeds, min–max bar where there are
+                       several) against the bits one rank sends per parameter per step (log x);
+                       every local-step method (base and options) one curve over H, each point
+                       marked with its H; the every-step methods (``--points``) as single points;
+``summary.csv`` / ``summary.json``  one row per method spec: seeds, median / min / max / mean of
+                       the final metric, bits, H, lr, weight decay, seconds per run.
+
+Runs are filtered to one task, N (``--workers``) and step budget (``--steps``), tuning runs
+left out; where one spec ran with several learning rates, each (spec, lr, wd) is its own row
+(and the label says the lr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+from collections import defaultdict
+
+import numpy as np
+
+from .plots import COLORS, MARKERS, _line, _ordered, _save
+from .runner import LOCAL_METHODS, canonical, common_bits, label, load_runs, parse_method
+
+__all__ = ["main", "summary_rows"]
+
+EVERY_STEP = ("glion", "dlion_mavo", "gadamw", "powersgd_adamw:4")
+
+
+def summary_rows(runs: list[dict], points=EVERY_STEP) -> list[dict]:
+    """One row per (spec, lr, weight decay): the local-step specs and the every-step ``points``."""
+    keep = {canonical(p) for p in points}
+    groups = defaultdict(list)
+    for r in runs:
+        spec = canonical(r["method"])
+        if parse_method(spec)[0] in LOCAL_METHODS or spec in keep:
+            groups[(spec, r["lr"], r["weight_decay"])].append(r)
+    lrs = defaultdict(set)
+    for spec, lr, wd in groups:
+        lrs[spec].add((lr, wd))
+    rows = []
+    for spec in _ordered({k[0] for k in groups}):
+        for lr, wd in sorted(lrs[spec]):
+            rs = sorted(groups[(spec, lr, wd)], key=lambda r: r["seed"])
+            finals = np.array([r["final"] for r in rs], dtype=float)
+            base, arg = parse_method(spec)
+            local = base in LOCAL_METHODS
+            text = label(spec) + (f" (lr {lr:g})" if len(lrs[spec]) > 1 else "")
+            rows.append({
+                "method": spec, "label": text, "kind": "every H steps" if local else "every step",
+                "line": _line(spec), "H": arg if local else 1, "workers": rs[0]["workers"],
+                "seeds": [r["seed"] for r in rs], "metric": rs[0]["metric"],
+                "median": float(np.median(finals)), "min": float(np.min(finals)), "max": float(np.max(finals)),
+                "mean": float(np.mean(finals)), "diverged": int(sum(r["diverged"] for r in rs)),
+                "bits": float(np.mean([common_bits(r) for r in rs])),
+                "bits_source": rs[0].get("bits_source", ""), "lr": lr, "weight_decay": wd,
+                "steps": rs[0]["steps"], "seconds_per_run": float(np.mean([r["seconds"] for r in rs])),
+            })
+    return rows
+
+
+def figure(rows: list[dict], path: str, title: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8.6, 4.8))
+    lines = []
+    for r in rows:
+        if (r["line"], r["lr"], r["weight_decay"]) not in lines:
+            lines.append((r["line"], r["lr"], r["weight_decay"]))
+    for ln, lr, wd in lines:
+        pts = sorted((r for r in rows if (r["line"], r["lr"], r["weight_decay"]) == (ln, lr, wd)),
+                     key=lambda r: r["bits"])
+        b = ln.split(":", 1)[0]
+        x = [r["bits"] for r in pts]
+        y = [r["median"] for r in pts]
+        err = [[r["median"] - r["min"] for r in pts], [r["max"] - r["median"] for r in pts]]
+        local = b in LOCAL_METHODS
+        if local:
+            text = pts[0]["label"].replace(f" H={pts[0]['H']}", "") + ", H = " + ", ".join(
+                str(r["H"]) for r in sorted(pts, key=lambda r: r["H"]))
+        else:
+            text = pts[0]["label"] + " (every step)"
+        ax.errorbar(x, y, yerr=err, color=COLORS[b], marker=MARKERS[b], ms=9 if MARKERS[b] == "*" else 6,
+                    capsize=3, lw=1.2, ls=("-" if ln == b else "--") if local and len(pts) > 1 else "none",
+                    mfc="none" if ln != b else None, label=text)
+        if local:
+            for r in pts:
+                ax.annotate(f"H={r['H']}", (r["bits"], r["median"]), textcoords="offset points", xytext=(4, 4),
+                            fontsize=6, color=COLORS[b])
+    ax.set_xscale("log")
+    ax.set_xlabel("bits one rank sends per parameter per step (counted; log)")
+    ax.set_ylabel("final validation loss (median over seeds, min–max)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    return _save(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dlion.lab.experiments.local_plot", description=__doc__.split("\n")[0])
+    p.add_argument("runs", nargs="+", help="runs.jsonl files (records of run_one)")
+    p.add_argument("--out", required=True, help="directory for final_vs_bits.png and summary.{csv,json}")
+    p.add_argument("--task", default="charlm")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--steps", type=int, default=2000, help="the step budget of the runs")
+    p.add_argument("--points", default=",".join(EVERY_STEP),
+                   help="every-step methods drawn as points (comma-separated specs)")
+    args = p.parse_args(argv)
+    runs, seen = [], set()
+    for path in args.runs:
+        for r in load_runs(path):
+            if (r["key"] not in seen and r["task"] == args.task and not r.get("tune") and r["workers"] == args.workers
+                    and r["budget"] == args.steps and r.get("path") is None):
+                seen.add(r["key"])
+                runs.append(r)
+    rows = summary_rows(runs, [s for s in args.points.split(",") if s])
+    if not rows:
+        print("no matching runs")
+        return 1
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    with open(os.path.join(args.out, "summary.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        for r in rows:
+            w.writerow(dict(r, seeds=" ".join(map(str, r["seeds"]))))
+    title = (f"{args.task}, N = {args.workers}, {args.steps} steps: final validation loss vs bits sent "
+             f"(local-step methods: one curve over H)")
+    fig = figure(rows, os.path.join(args.out, "final_vs_bits.png"), title)
+    print(f"{'method':42s} {'seeds':>7s} {'median':>8s} {'min':>8s} {'max':>8s} {'bits':>9s}")
+    for r in rows:
+        print(f"{r['label']:42s} {len(r['seeds']):>7d} {r['median']:8.4f} {r['min']:8.4f} {r['max']:8.4f} "
+              f"{r['bits']:9.4g}")
+    print(f"wrote {fig}, summary.csv, summary.json in {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

