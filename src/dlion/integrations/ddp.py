@@ -35,13 +35,22 @@ What differs from :class:`dlion.DistributedLion` (all consequences of DDP's hook
 * **GradScaler**: the hook sees *scaled* gradients; sign(c) mixes m with a scaled g.
   Not supported: use bf16 autocast without a scaler.
 * **Non-finite gradients** are agreed per bucket, not per step: a bucket with inf/NaN
-  on some rank gets Δ = 0 on every rank (other buckets still move), and
-  ``state.skipped_buckets`` counts it.
+  on some rank gets Δ = 0 on every rank (other buckets still move) and no rank updates
+  its momentum for it (the momentum update waits for the vote's outcome), so the next
+  finite batch trains normally; ``state.skipped_buckets`` counts such buckets and
+  ``state.skipped_steps`` the steps with at least one. ``nonfinite="raise"`` makes every
+  rank's backward raise instead (``FloatingPointError`` inside DDP's error), with no
+  momentum changed; after ``state.warn_after_skips`` (10) skipping steps in a row a
+  ``RuntimeWarning`` names the rank(s), as :class:`dlion.DistributedLion` does.
+  ``ApplyDelta`` still applies the weight decay x·(1 − η·λ) to a skipped bucket's
+  parameters (it sees Δ = 0, not the skip).
 * The momenta live in the hook state: save them per rank with
   ``state.state_dict()`` / ``load_state_dict`` next to the optimizer's.
 """
 
 import itertools
+import threading
+import warnings
 from typing import Iterable, Optional
 
 import torch
@@ -52,6 +61,7 @@ from .. import kernels
 from ..aggregation import VoteRule, coin_key
 from ..algorithms import Contribution, WireState, make_algorithm, padded_length
 from ..collectives import CommStats, GroupTransport
+from ..distributed import NONFINITE_POLICIES
 from ..lion import check_hyperparameters, check_momentum_dtype
 
 __all__ = ["DLionHookState", "dlion_hook", "ApplyDelta", "per_bucket_groups"]
@@ -86,8 +96,11 @@ class DLionHookState:
     def __init__(self, model: torch.nn.Module, betas: tuple[float, float] = (0.9, 0.99), *, vote: str = "mavo",
                  ties: str = "zero", comm: str = "1bit", seed: int = 0, process_group=None,
                  momentum_dtype: Optional[torch.dtype] = None, bucket_cap_mb: Optional[float] = None,
-                 fused: bool = False):
+                 fused: bool = False, nonfinite: str = "skip"):
         check_hyperparameters(1.0, betas, 0.0)
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"Unknown nonfinite {nonfinite!r}; choose one of {', '.join(map(repr, NONFINITE_POLICIES))}.")
+        self.nonfinite = nonfinite
         check_momentum_dtype(momentum_dtype)
         self.momentum_dtype = momentum_dtype
         if comm not in _HOOK_COMMS:
@@ -109,6 +122,11 @@ class DLionHookState:
         self.momenta: dict = {}
         self.steps = 0
         self.skipped_buckets = 0
+        self.skipped_steps = 0  # steps in which at least one bucket was skipped
+        self.warn_after_skips = 10
+        self._skips_in_a_row = 0
+        self._open: dict = {}  # step -> [buckets decided, buckets in the step (once known), ranks with inf/NaN]
+        self._lock = threading.Lock()  # decide() runs on the process groups' threads
         self.comm_stats = CommStats()
         self.transport = GroupTransport(process_group, self.comm_stats)
         self.transports: list[GroupTransport] = []  # comm="1bit": one process group per DDP bucket
@@ -144,9 +162,42 @@ class DLionHookState:
             m = self.momenta[i] = torch.zeros(p.shape, dtype=self.momentum_dtype or torch.float32, device=p.device)
         return m
 
+    def _bucket_count(self, step: int, buckets: int) -> None:
+        with self._lock:
+            self._open.setdefault(step, [0, None, []])[1] = buckets
+            self._close_if_done(step)
+
+    def _decided(self, step: int, ranks_nonfinite: list) -> None:
+        """One bucket of ``step`` decided (skipped when ``ranks_nonfinite`` is not empty); once every
+        bucket of the step is, the step counts as skipped or not (the same on every rank)."""
+        with self._lock:
+            entry = self._open.setdefault(step, [0, None, []])
+            entry[0] += 1
+            if ranks_nonfinite:
+                self.skipped_buckets += 1
+                entry[2].extend(ranks_nonfinite)
+            self._close_if_done(step)
+
+    def _close_if_done(self, step: int) -> None:
+        done, buckets, ranks = self._open[step]
+        if buckets is None or done < buckets:
+            return
+        del self._open[step]
+        if not ranks:
+            self._skips_in_a_row = 0
+            return
+        self.skipped_steps += 1
+        self._skips_in_a_row += 1
+        if self._skips_in_a_row == self.warn_after_skips:
+            named = sorted({r for r in ranks if r is not None})
+            who = f"rank(s) {', '.join(map(str, named))}" if named else "some rank (this comm does not say which)"
+            warnings.warn(f"dlion_hook: {self._skips_in_a_row} steps in a row skipped (in some bucket) because {who} "
+                          "had inf/NaN gradients; training is not progressing (check that rank's data and loss "
+                          "scale, or use nonfinite='raise').", RuntimeWarning, stacklevel=2)
+
     def state_dict(self) -> dict:
         return {"momenta": {i: m.clone() for i, m in self.momenta.items()}, "steps": self.steps,
-                "skipped_buckets": self.skipped_buckets, "comm_stats": self.comm_stats.state_dict(),
+                "skipped_buckets": self.skipped_buckets, "skipped_steps": self.skipped_steps, "comm_stats": self.comm_stats.state_dict(),
                 "vote": self.rule.vote, "ties": self.rule.ties, "comm": self.comm, "world_size": self.world,
                 "rank": self.rank}
 
@@ -154,12 +205,14 @@ class DLionHookState:
         self.momenta = {int(i): m.to(self.momentum_dtype or torch.float32, copy=True) for i, m in sd["momenta"].items()}
         self.steps = int(sd["steps"])
         self.skipped_buckets = int(sd.get("skipped_buckets", 0))
+        self.skipped_steps = int(sd.get("skipped_steps", 0))
         self.comm_stats.load_state_dict(sd["comm_stats"])
 
 
 def _eager_contribution(state: DLionHookState, grad: Tensor, params: list, n: int) -> Contribution:
-    """sign(β1·m + (1 − β1)·g) of the bucket and the momentum update, in torch ops."""
-    beta1, beta2 = state.betas
+    """sign(β1·m + (1 − β1)·g) of the bucket, in torch ops. The momentum is not touched here:
+    :func:`_update_momenta` runs once the vote has shown that every rank's bucket was finite."""
+    beta1 = state.betas[0]
     with torch.no_grad():
         g = grad.float()
         m = torch.cat([state._momentum(p).reshape(-1) for p in params]).float() if params else g.new_zeros(0)
@@ -167,32 +220,51 @@ def _eager_contribution(state: DLionHookState, grad: Tensor, params: list, n: in
         finite = bool(torch.isfinite(torch.stack(torch.aminmax(c))).all()) if n else True
         values = torch.zeros(padded_length(n, state.world), dtype=torch.int8, device=grad.device)
         values[:n].copy_(torch.sign(c))
+    return Contribution(values, n, torch.ones(len(params), dtype=torch.bool), 0 if finite else 2, 0)
+
+
+def _native_applies(state: DLionHookState, grad: Tensor, sizes: list, n: int) -> bool:
+    return bool(state.fused and n and sum(sizes) == n and grad.dtype == torch.float32
+                and state.momentum_dtype in (None, torch.float32) and kernels.supported(grad))
+
+
+def _update_momenta(state: DLionHookState, grad: Tensor, params: list, n: int) -> None:
+    """m ← β2·m + (1 − β2)·g for the bucket's parameters (native loops where
+    :func:`_native_contribution` applies, else torch ops in fp32: the same roundings as before)."""
+    beta2 = state.betas[1]
+    sizes = [p.numel() for p in params]
+    with torch.no_grad():
+        if _native_applies(state, grad, sizes, n):
+            kernels.momentum_update_([state._momentum(p).view(-1) for p in params], list(torch.split(grad, sizes)),
+                                     beta2, 1.0 - beta2)
+            return
+        if not params:
+            return
+        g = grad.float()
+        m = torch.cat([state._momentum(p).reshape(-1) for p in params]).float()
         m.mul_(beta2).add_(torch.mul(g, 1.0 - beta2))
         off = 0
         for p in params:  # the new momenta back into their per-parameter homes
             k = p.numel()
             state._momentum(p).copy_(m[off:off + k].view(p.shape))
             off += k
-    return Contribution(values, n, torch.ones(len(params), dtype=torch.bool), 0 if finite else 2, 0)
 
 
 def _native_contribution(state: DLionHookState, grad: Tensor, params: list, n: int) -> Optional[Contribution]:
     """The same from the native loops (:mod:`dlion.kernels`, the same roundings; ``fused=True``):
-    c's signs, the 1-bit payload and the momentum update straight from DDP's flat bucket and the
-    per-parameter momenta, two passes and no copy. None where they do not apply (``fused=False``,
+    c's signs and the 1-bit payload straight from DDP's flat bucket and the
+    per-parameter momenta, one pass and no copy (the momentum update: :func:`_update_momenta`). None where they do not apply (``fused=False``,
     bf16 momenta, not fp32 CPU)."""
     sizes = [p.numel() for p in params]
-    if not (state.fused and n and sum(sizes) == n and grad.dtype == torch.float32
-            and state.momentum_dtype in (None, torch.float32) and kernels.supported(grad)):
+    if not _native_applies(state, grad, sizes, n):
         return None
-    beta1, beta2 = state.betas
+    beta1 = state.betas[0]
     ms = [state._momentum(p).view(-1) for p in params]
     gs = list(torch.split(grad, sizes))  # views of the bucket, in the order of bucket.parameters()
     offsets = [0, *itertools.accumulate(sizes)][:-1]
     values = torch.empty(padded_length(n, state.world), dtype=torch.int8)
     with torch.no_grad():
         finite, packed, zeros = kernels.sign_and_pack(ms, gs, offsets, beta1, 1.0 - beta1, values, n)
-        kernels.momentum_update_(ms, gs, beta2, 1.0 - beta2)
     return Contribution(values, n, torch.ones(len(params), dtype=torch.bool), 0 if finite else 2, 0,
                         packed=packed, zeros=zeros)
 
@@ -211,8 +283,10 @@ def dlion_hook(state: DLionHookState, bucket) -> torch.futures.Future[torch.Tens
     gen = state.algorithm.run(wire, contrib, state.rank, coin_key(state.seed, state.steps, bucket.index()))
     kind, send, label = next(gen)
     work, out = transport.issue(kind, send, label)
+    step_no = state.steps
     if bucket.is_last():
         state.steps += 1
+        state._bucket_count(step_no, bucket.index() + 1)
 
     def decide(fut) -> Tensor:
         received = out
@@ -225,10 +299,15 @@ def dlion_hook(state: DLionHookState, bucket) -> torch.futures.Future[torch.Tens
                 later.wait()
         except StopIteration as stop:
             outcome = stop.value
-        if outcome.codes is None:  # inf/NaN on some rank: this bucket does not move anywhere
-            state.skipped_buckets += 1
+        if outcome.codes is None:  # inf/NaN on some rank: this bucket does not move anywhere, no momentum changes
+            state._decided(step_no, outcome.ranks_nonfinite or [None])
+            if state.nonfinite == "raise":
+                raise FloatingPointError(f"dlion_hook: a rank has inf/NaN gradients in bucket {bucket.index()} at "
+                                         f"step {step_no}; no rank changed this bucket's momentum.")
             grad.zero_()
             return grad
+        _update_momenta(state, grad, params, n)  # (grad still holds this rank's gradient)
+        state._decided(step_no, [])
         grad.copy_(state.rule.delta(outcome.codes[:n], torch.float32))
         return grad
 

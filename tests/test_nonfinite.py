@@ -1,0 +1,170 @@
+"""One bad batch (inf in one step, NaN in another, on one rank) must cost that step only:
+every rank skips it, no momentum takes the bad gradient, the next step trains normally and the
+replicas stay bitwise equal — for the DDP communication hook, DistributedLion and
+HierarchicalDistributedLion (LocalDistributedLion: tests/test_local.py)."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import dlion
+from dlion.integrations.ddp import ApplyDelta, DLionHookState, dlion_hook
+from dlion.lab.spawn import spawn
+from conftest import BETAS, LR, WD, grads_for, init_params
+
+BAD = {2: float("inf"), 4: float("nan")}  # step -> the value injected on rank 1
+STEPS = 7
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 400), nn.Tanh(), nn.Linear(400, 800), nn.Tanh(), nn.Linear(800, 5))
+
+
+def _batch(rank, t):
+    g = torch.Generator().manual_seed(100 * rank + t)
+    return torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)
+
+
+def _loss(out, y, bad=None):
+    loss = nn.functional.cross_entropy(out, y)
+    return loss if bad is None else loss * bad  # inf/NaN in every gradient, so in every bucket, of this rank
+
+
+def hook_worker(rank, world, comm, fused):
+    model = _model()
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.5)  # several buckets
+    state = DLionHookState(model, betas=BETAS, comm=comm, bucket_cap_mb=0.5, fused=fused)
+    ddp.register_comm_hook(state, dlion_hook)
+    opt = ApplyDelta(ddp.parameters(), lr=LR, weight_decay=WD)
+    trace = []
+    for t in range(STEPS):
+        before = [p.detach().clone() for p in model.parameters()]
+        m_before = {i: m.clone() for i, m in state.momenta.items()}
+        opt.zero_grad()
+        x, y = _batch(rank, t)
+        _loss(ddp(x), y, BAD.get(t) if rank == 1 else None).backward()
+        opt.step()
+        params = [p.detach().clone() for p in model.parameters()]
+        decayed_only = all(torch.equal(p, b.mul(1.0 - LR * WD)) for p, b in zip(params, before))
+        momenta_kept = bool(m_before) and all(torch.equal(state.momenta[i], m) for i, m in m_before.items())
+        momenta_finite = all(bool(torch.isfinite(m).all()) for m in state.momenta.values())
+        trace.append((params, decayed_only, momenta_kept, momenta_finite))
+    return trace, state.skipped_steps, state.skipped_buckets
+
+
+def _check(results, skipped):
+    for trace, *counts in results:
+        assert counts[0] == len(BAD), counts
+        for t, (_, decayed_only, momenta_kept, momenta_finite) in enumerate(trace):
+            assert momenta_finite, t
+            if t in BAD:  # skipped on every rank: no Δ, no momentum update anywhere
+                assert decayed_only and momenta_kept, t
+            else:  # the steps after a bad one train normally
+                assert not decayed_only and not momenta_kept, t
+    for trace, *_ in results[1:]:
+        for (params, *_), (ref, *_) in zip(trace, results[0][0]):
+            assert all(torch.equal(a, b) for a, b in zip(params, ref))
+            assert all(bool(torch.isfinite(a).all()) for a in params)
+
+
+@pytest.mark.parametrize("comm, fused", [("1bit", False), ("allgather", True), ("pbit", False)])
+def test_ddp_hook_skips_a_bad_batch_on_every_rank_and_recovers(comm, fused):
+    """Until 2026-11-26 the hook updated the momentum before knowing the outcome: rank 1's
+    momentum took the inf, and every later step was skipped on every rank, silently."""
+    results = spawn(hook_worker, 3, comm, fused, timeout_s=120)
+    _check(results, len(BAD))
+    for _, _, buckets in results:
+        assert buckets >= len(BAD)
+
+
+def hook_policy_worker(rank, world, policy):
+    model = _model()
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.5)
+    state = DLionHookState(model, betas=BETAS, comm="allgather", bucket_cap_mb=0.5, nonfinite=policy)
+    state.warn_after_skips = 3
+    ddp.register_comm_hook(state, dlion_hook)
+    opt = ApplyDelta(ddp.parameters(), lr=LR, weight_decay=WD)
+    error, m_before = None, None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in range(5):
+            x, y = _batch(0, t)
+            m_before = {i: m.clone() for i, m in state.momenta.items()}
+            opt.zero_grad()
+            try:
+                _loss(ddp(x), y, float("nan") if rank == 1 and t >= 1 else None).backward()  # rank 1: NaN from step 1
+            except RuntimeError as e:
+                error = str(e)
+                break
+            opt.step()
+    kept = all(torch.equal(state.momenta[i], m) for i, m in m_before.items())
+    msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "dlion_hook" in str(w.message)]
+    return error, kept, msgs, state.skipped_steps
+
+
+def test_ddp_hook_nonfinite_raise_and_warning_after_repeated_skips():
+    for error, kept, msgs, skipped in spawn(hook_policy_worker, 2, "raise", timeout_s=60):
+        assert error is not None and "inf/NaN gradients" in error and kept, error
+    for error, kept, msgs, skipped in spawn(hook_policy_worker, 2, "skip", timeout_s=60):
+        assert error is None and skipped == 4
+        assert len(msgs) == 1 and "3 steps in a row skipped" in msgs[0] and "rank(s) 1 " in msgs[0], msgs
+    with pytest.raises(ValueError, match="Unknown nonfinite 'ignore'"):
+        DLionHookState.__init__(object.__new__(DLionHookState), nn.Linear(2, 2), nonfinite="ignore")
+
+
+def _optimizer_worker(rank, world, build):
+    params = [p.requires_grad_() for p in init_params(rank)]
+    opt = build(params)
+    trace = []
+    for t in range(STEPS):
+        for p, g in zip(params, grads_for(rank, t, True)):
+            p.grad = g
+        if rank == 1 and t in BAD:
+            params[-1].grad[3, 3] = BAD[t]
+        before = [p.detach().clone() for p in params]
+        m_before = [m.clone() for p in params for m in opt.state[p].values() if torch.is_tensor(m)]
+        opt.step()
+        now = [p.detach().clone() for p in params]
+        moms = [m.clone() for p in params for m in opt.state[p].values() if torch.is_tensor(m)]
+        unchanged = all(torch.equal(a, b) for a, b in zip(now, before))
+        momenta_kept = bool(m_before) and len(m_before) == len(moms) and all(
+            torch.equal(a, b) for a, b in zip(moms, m_before))
+        trace.append((now, unchanged, momenta_kept, all(bool(torch.isfinite(m).all()) for m in moms)))
+    return trace, opt.skipped_steps
+
+
+def flat_worker(rank, world):
+    return _optimizer_worker(rank, world, lambda ps: dlion.DistributedLion(ps, lr=LR, betas=BETAS, weight_decay=WD))
+
+
+def hier_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local"))
+    return _optimizer_worker(rank, world, lambda ps: dlion.HierarchicalDistributedLion(
+        ps, lr=LR, betas=BETAS, weight_decay=WD, mesh=mesh, comm="1bit"))
+
+
+def _check_optimizer(results):
+    for trace, skipped in results:
+        assert skipped == len(BAD)
+        for t, (_, unchanged, momenta_kept, finite) in enumerate(trace):
+            assert finite, t
+            if t in BAD:  # nothing changes anywhere, weight decay included
+                assert unchanged and momenta_kept, t
+            else:
+                assert not unchanged and not momenta_kept, t
+    for trace, _ in results[1:]:
+        for (params, *_), (ref, *_) in zip(trace, results[0][0]):
+            assert all(torch.equal(a, b) for a, b in zip(params, ref))
+
+
+def test_distributed_lion_skips_a_bad_batch_on_every_rank_and_recovers():
+    _check_optimizer(spawn(flat_worker, 3, timeout_s=60))
+
+
+def test_hierarchical_lion_skips_a_bad_batch_on_every_rank_and_recovers():
+    _check_optimizer(spawn(hier_worker, 4, timeout_s=120))
