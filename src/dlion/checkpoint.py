@@ -467,11 +467,19 @@ def _mean_state(states: list[dict], src: dict) -> dict:
     return out
 
 
-def _check_optimizer_state(path: str, sd: dict, optimizer: torch.optim.Optimizer) -> None:
+def _rank_option(optimizer: torch.optim.Optimizer, any_rank: bool) -> dict:
+    """``from_rank="any"`` for a DistributedLion that deliberately takes another rank's state
+    (a resized checkpoint: saved rank r mod N's, or the mean's record from it)."""
+    from .distributed import DistributedLion
+
+    return {"from_rank": "any"} if any_rank and isinstance(optimizer, DistributedLion) else {}
+
+
+def _check_optimizer_state(path: str, sd: dict, optimizer: torch.optim.Optimizer, any_rank: bool = False) -> None:
     check = getattr(optimizer, "check_state_dict", None)  # an optimizer's own conditions (the hierarchical mesh)
     if check is not None:
         try:
-            check(sd)
+            check(sd, **_rank_option(optimizer, any_rank))
         except ValueError as e:
             raise CheckpointError(f"checkpoint {path!r}: {e}") from e
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -492,8 +500,8 @@ def _check_optimizer_state(path: str, sd: dict, optimizer: torch.optim.Optimizer
                     f"{tuple(v.shape)}, the parameter has shape {tuple(p.shape)}.")
 
 
-def _apply_optimizer_state(optimizer: torch.optim.Optimizer, sd: dict) -> None:
-    optimizer.load_state_dict(sd)
+def _apply_optimizer_state(optimizer: torch.optim.Optimizer, sd: dict, any_rank: bool = False) -> None:
+    optimizer.load_state_dict(sd, **_rank_option(optimizer, any_rank))
     # torch.optim casts floating state to the parameter's dtype; Lion keeps fp32
     # momenta for bf16/fp16 parameters, so put the saved dtype back.
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -574,12 +582,10 @@ def _prepare(path, source, head, model, optimizer, info: LoadInfo, notes: list, 
                 opt_sd = source.rank_state(rank % saved_world)
                 info.source_ranks = [rank % saved_world]
             info.policy = momenta
-            if "dlion" in opt_sd:
-                opt_sd = dict(opt_sd, dlion=dict(opt_sd["dlion"], world_size=world, rank=rank))
             notes.append(f"resized {saved_world} -> {world} ranks: momenta = "
                          + ("mean of all saved ranks" if momenta == "mean" else f"saved rank {rank % saved_world}'s")
                          + f", counters from saved rank {rank % saved_world}")
-        _check_optimizer_state(path, opt_sd, optimizer)
+        _check_optimizer_state(path, opt_sd, optimizer, any_rank=info.policy != "exact")
     elif saved_world != world and strict:
         raise CheckpointError(f"checkpoint {path!r} was written by {saved_world} ranks; this job has {world} "
                               "(strict=True).")
@@ -985,7 +991,7 @@ def load(path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = No
     with torch.no_grad():
         model.load_state_dict(model_sd, strict=True)
     if opt_sd is not None:
-        _apply_optimizer_state(optimizer, opt_sd)
+        _apply_optimizer_state(optimizer, opt_sd, any_rank=info.policy != "exact")
     rng = source.rng(rank) if restore_rng and saved_world == world else None
     if rng is not None:
         torch.set_rng_state(rng["cpu"])

@@ -251,6 +251,7 @@ class DistributedLion(Lion):
         self.skipped_steps = 0
         self.warn_after_skips = 10
         self._skips_in_a_row = 0
+        self._any_rank = 0  # depth of accepting_any_rank()
         self._params = [p for g in self.param_groups for p in g["params"]]
         self.num_params = sum(p.numel() for p in self._params if p.requires_grad)
         self.buckets: list[Bucket] = []
@@ -825,7 +826,71 @@ class DistributedLion(Lion):
                        "pending": pending}
         return sd
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    #: what ``load_state_dict``'s ``from_rank`` accepts
+    FROM_RANK = ("own", "any")
+
+    @contextlib.contextmanager
+    def accepting_any_rank(self):
+        """Within this block ``load_state_dict(sd)`` acts as ``load_state_dict(sd, from_rank="any")``:
+        for code that calls ``load_state_dict`` itself (a stock HF Trainer's single ``optimizer.pt``,
+        Lightning's or Accelerate's one-rank state), where every rank deliberately loads one rank's state."""
+        self._any_rank = getattr(self, "_any_rank", 0) + 1
+        try:
+            yield self
+        finally:
+            self._any_rank -= 1
+
+    def check_state_dict(self, state_dict: dict, *, from_rank: str = "own") -> None:
+        """Raise ``ValueError`` if this rank should not load ``state_dict``: state of another optimizer
+        type (no ``"dlion"`` record: a plain :class:`dlion.Lion`, ``torch.optim.Adam``, ...; or a
+        hierarchical / local optimizer's), or another rank's state unless ``from_rank="any"``.
+        :func:`dlion.checkpoint.load` calls this before it changes anything."""
+        if from_rank not in self.FROM_RANK:
+            raise ValueError(f"from_rank must be one of {', '.join(map(repr, self.FROM_RANK))}, got {from_rank!r}")
+        if getattr(self, "_any_rank", 0):
+            from_rank = "any"
+        name = type(self).__name__
+        if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list):
+            raise ValueError(f"{name} cannot load this state: it is not an optimizer state_dict() "
+                             "(no 'param_groups' list).")
+        extra = state_dict.get("dlion")
+        if not isinstance(extra, dict):
+            keys = sorted({str(k) for st in (state_dict.get("state") or {}).values() if isinstance(st, dict)
+                           for k in st})
+            hyper = sorted({str(k) for g in state_dict["param_groups"] for k in g if k != "params"})
+            if "exp_avg_sq" in keys or "eps" in hyper:
+                what = "an Adam-style optimizer's (state 'exp_avg_sq' / hyperparameter 'eps')"
+            elif set(keys) <= {"exp_avg", "step"} and "betas" in hyper:
+                what = "a single-process dlion.Lion's (or another Lion's)"
+            else:
+                what = f"another optimizer's (state entries {keys}, hyperparameters {hyper})"
+            raise ValueError(
+                f"{name} cannot load this state: it has no 'dlion' record, so it was not saved by a "
+                f"DistributedLion; it looks like {what}. Loading it would take that optimizer's "
+                "hyperparameters and momenta as this one's. Start this optimizer afresh (or load the model only).")
+        if extra.get("hierarchical") is not None:
+            raise ValueError(
+                f"{name} cannot load this state: it was saved by dlion.HierarchicalDistributedLion, which "
+                "keeps one momentum per node, sharded across the node's ranks; DistributedLion keeps one per rank. "
+                "Resume with HierarchicalDistributedLion on the same mesh.")
+        if extra.get("local") is not None and "local" not in name.lower():
+            raise ValueError(
+                f"{name} cannot load this state: it was saved by dlion.LocalDistributedLion, whose state "
+                "holds an anchor, residuals and each rank's local parameters. Resume with LocalDistributedLion.")
+        saved_rank = extra.get("rank")
+        if from_rank == "own" and saved_rank is not None and int(saved_rank) != self.rank:
+            raise ValueError(
+                f"{name}: this state was saved by rank {saved_rank} (of {extra.get('world_size', '?')}); this is "
+                f"rank {self.rank} (of {self.world_size}). Each rank keeps its own momentum: load each rank's own "
+                "state, or pass load_state_dict(sd, from_rank='any') (or use `with opt.accepting_any_rank():`) to "
+                "start this rank from that rank's momenta on purpose (dlion.checkpoint.load does so when the "
+                "world size changed).")
+
+    def load_state_dict(self, state_dict: dict, *, from_rank: str = "own") -> None:
+        """As ``torch.optim.Optimizer.load_state_dict`` (hyperparameters included), after
+        :meth:`check_state_dict`: state of another optimizer type is refused, and so is another
+        rank's unless ``from_rank="any"``."""
+        self.check_state_dict(state_dict, from_rank=from_rank)
         state_dict = dict(state_dict)
         extra = state_dict.pop("dlion", None)
         if extra is not None and extra.get("hierarchical") is not None:

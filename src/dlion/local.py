@@ -411,12 +411,12 @@ class LocalDistributedLion(DistributedLion):
                                     "round_nonfinite": self._round_nonfinite}
         return sd
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def load_state_dict(self, state_dict: dict, *, from_rank: str = "own") -> None:
         """As :class:`DistributedLion`, plus the anchor, the residual and this rank's local parameters
         (a state saved at another world size and merged by :func:`dlion.checkpoint.load`'s policy
         continues the round from the merged local parameters)."""
         if self.world_size == 1:
-            return super().load_state_dict(state_dict)
+            return super().load_state_dict(state_dict, from_rank=from_rank)
         extra = state_dict.get("dlion") or {}
         if "local" not in extra:
             raise ValueError("LocalDistributedLion cannot load this state: it was not saved by a "
@@ -427,7 +427,7 @@ class LocalDistributedLion(DistributedLion):
             st = state_dict["state"].get(pid, {})
             saved[id(p)] = {n: st[n] for n in ("anchor", "error", "local_param", "round_start", "progress_in_flight")
                             if isinstance(st.get(n), Tensor)}
-        super().load_state_dict(state_dict)
+        super().load_state_dict(state_dict, from_rank=from_rank)
         with torch.no_grad():
             for k, b in enumerate(self.buckets):
                 for p, av, ev in zip(b.params, b.views(self._anchor[k]), b.views(self._error[k])):

@@ -51,6 +51,7 @@ hand-written loop cannot be checked).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Union
 
 import torch
@@ -95,12 +96,23 @@ class RankOptimizerState:
 
     def _before_load(self, models, input_dir) -> None:
         self._input_dir = input_dir
+        # Accelerate then loads its one optimizer.bin (rank 0's state) into every rank, deliberately:
+        # our load_state_dict below replaces it by the rank's own file (and ends this allowance).
+        self._end_any_rank()
+        self._any_rank = contextlib.ExitStack()
+        self._any_rank.enter_context(self.optimizer.accepting_any_rank())
+
+    def _end_any_rank(self) -> None:
+        stack, self._any_rank = getattr(self, "_any_rank", None), None
+        if stack is not None:
+            stack.close()
 
     def state_dict(self) -> dict:
         return {"format": "dlion-accelerate", "world_size": self.optimizer.world_size,
                 "steps": self.optimizer.comm_stats.steps}
 
     def load_state_dict(self, state: dict) -> None:
+        self._end_any_rank()
         if self._input_dir is None:
             raise RuntimeError("RankOptimizerState is loaded by accelerator.load_state(), which tells it the folder.")
         if state.get("world_size") != self.optimizer.world_size:

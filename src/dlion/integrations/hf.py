@@ -200,7 +200,8 @@ class DLionTrainer(Trainer):
                 warnings.warn(f"DLionTrainer: {checkpoint!r} has no per-rank optimizer files (a stock Trainer "
                               "checkpoint?); every rank loads the one optimizer.pt, so all ranks start from the "
                               "same momenta.", stacklevel=2)
-                super()._load_optimizer_and_scheduler(checkpoint)
+                with opt.accepting_any_rank():  # deliberately: rank 0's state on every rank
+                    super()._load_optimizer_and_scheduler(checkpoint)
                 return
         load_rank_state(checkpoint, opt)  # raises on every rank if any rank lacks its file
         sched = os.path.join(checkpoint, SCHEDULER_NAME)

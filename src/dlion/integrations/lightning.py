@@ -180,7 +180,10 @@ class DLionStrategy(DDPStrategy):
                 warnings.warn("DLionStrategy: the checkpoint holds one rank's optimizer state (not written by "
                               "DLionStrategy?); every rank loads it, so all ranks start from the same momenta.",
                               stacklevel=2)
-            return super().load_optimizer_state_dict(checkpoint)
+            with contextlib.ExitStack() as stack:  # deliberately: one rank's state on every rank
+                for o in self.optimizers:
+                    stack.enter_context(require_dlion(o, "DLionStrategy").accepting_any_rank())
+                return super().load_optimizer_state_dict(checkpoint)
         if saved["world_size"] != self.world_size:
             raise ValueError(f"DLionStrategy: the checkpoint was written by {saved['world_size']} processes; this "
                              f"job has {self.world_size}. Resume with the same number of processes.")
