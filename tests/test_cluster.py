@@ -50,6 +50,21 @@ def leftovers(prefix: str) -> list[str]:
     return found
 
 
+def namespace_pids(ns: str) -> list[int]:
+    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
+    return [int(tok) for tok in out.split() if tok.isdigit()]
+
+
+def wait_for(condition, timeout_s: float, poll_s: float = 0.01) -> bool:
+    """Poll ``condition`` until it holds (True) or ``timeout_s`` passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
 def processes_with(marker: str) -> list[int]:
     pids = []
     for pid in os.listdir("/proc"):
@@ -260,6 +275,11 @@ def test_leftovers_of_crashed_run_are_removed(capsys):
     # A worker the crashed run left behind.
     orphan = subprocess.Popen(["ip", "netns", "exec", f"{prefix}-r7", "sleep", marker])
     try:
+        # Wait until it is in the namespace: `ip netns exec` enters it and execs `sleep` a moment
+        # after Popen returns (longer on a busy machine). A cluster that starts before then finds
+        # no process in the namespace and deletes it; the orphan is never killed.
+        in_namespace = lambda: any(p in namespace_pids(f"{prefix}-r7") for p in processes_with(marker))  # noqa: E731
+        assert wait_for(in_namespace, timeout_s=60), "the orphan did not enter its namespace within 60 s"
         with VirtualCluster(2, link="1gbit", prefix=prefix) as c:
             assert f"{prefix}-r7" not in namespaces()
             assert sorted(n for n in namespaces() if n.startswith(prefix + "-")) == sorted(
