@@ -305,7 +305,8 @@ def count_syncs(fn) -> dict:
             torch.cuda.set_sync_debug_mode("default")
     n = 0
     for w in caught:
-        if "synchroniz" in str(w.message):
+        # (not "Synchronization debug mode is a prototype feature", warned once per process)
+        if "called a synchronizing" in str(w.message):
             n += 1
             path = w.filename.replace("\\", "/")
             short = path.split("/src/")[-1] if "/src/" in path else os.path.basename(path)

@@ -1,0 +1,201 @@
+"""Host synchronisations per step, audited on the CPU: adding one to the step's path fails here.
+
+On a GPU a step should not stop to read values on the host. CI has no GPU, so the steps run
+under :class:`sync_audit.EmulatedDevice`: the parameters and gradients are tagged as CUDA tensors
+(``device == cuda:0``), the library takes the branches CUDA tensors take (the torch-op vote, no
+numpy, no native kernels), and every operation that would make the host wait for the device is
+counted by source line. Each step's count per (file, function) must stay within the budget
+below; a new ``.item()``, ``bool(tensor)``, ``.cpu()``, unpinned copy to the device, ``nonzero``
+… anywhere on the path fails the test with the line that made it.
+
+The counts agree with the GPU's ``torch.cuda.set_sync_debug_mode`` (tests/test_cuda.py,
+docs/results/gpu-check/cuda_sync_counts.json), line for line: 18 for the dense 1-bit step below
+(the JSON's 19 has one more, ``cuda/__init__.py:1270``: the debug mode's own "prototype feature"
+warning, which that measurement counted; it is no synchronisation), and also 132, 95 and 34
+for the abstaining 1-bit, all-gather and p-bit steps measured there.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import dlion
+from dlion.simulate import SimulatedDistributedLion
+from sync_audit import EmulatedDevice, to_device
+
+SHAPES = [(32, 32), (128,), (8, 16), (64,), (4,), (5, 3), (7,)]  # tests/test_cuda.py's SHAPES_ODD
+CAP_MB = 600 * 4 / 2**20  # ~600 fp32 coordinates a bucket: two buckets, as on the GPU
+LR, N = 0.01, 4
+
+# -- the budgets: the host syncs still on the path, per step -----------------------------------
+# (file, function) -> (syncs per unit, the unit, why it is still there). A unit is evaluated by
+# _allowed: "bucket·worker" = buckets × workers (the simulator runs every worker's contribution).
+DENSE_1BIT = {
+    "dlion/buckets.py contribute": (1, "bucket·worker",
+        "one read of the finiteness flag and the zero count together: the 1-bit header's status "
+        "(NONFINITE) and whether zero runs are listed are built on the host"),
+    "dlion/algorithms.py _split": (1, "bucket·worker",
+        "the received headers come to the host: every rank decides the wire format, the failure "
+        "flags and the has-gradient bitmap there"),
+    "dlion/collectives.py add_tallies": (1, "bucket",
+        "the vote tallies (voted, unanimous, tied) are read into comm_stats, once per bucket"),
+}
+LION: dict = {}  # dlion.Lion: none (0 on the GPU too)
+LOCAL_INNER = {
+    "dlion/local.py _inner_step": (1, "step",
+        "the local step is skipped on inf/NaN gradients: one read of their finiteness"),
+}
+LOCAL_ROUND = {  # one sync round of LocalDistributedLion, N = 2, per rank
+    "dlion/local.py _inner_step": (1, "step", LOCAL_INNER["dlion/local.py _inner_step"][2]),
+    "dlion/buckets.py _all_finite": (1, "bucket", "the residual's finiteness, for the header's status"),
+    "dlion/algorithms.py _split": (1, "bucket", DENSE_1BIT["dlion/algorithms.py _split"][2]),
+    "dlion/collectives.py add_tallies": (1, "round", DENSE_1BIT["dlion/collectives.py add_tallies"][2]),
+    # the progress A − x has zeros (coordinates whose local steps cancelled): the abstaining 1-bit path,
+    # whose zero runs are found and listed on the host (132 syncs for the simulator's abstaining step)
+    "dlion/algorithms.py _has_zeros": (2, "bucket",
+        "whether the payload, and the voted codes, have any zero: one bool each"),
+    "dlion/algorithms.py zero_runs": (6, "bucket",
+        "the zeros' positions (nonzero, twice) and a host-made tensor to the device (new_tensor), "
+        "for the payload and for the codes"),
+    "dlion/algorithms.py _zeros_within_parameters": (1, "bucket", "the zero count decides the codes' way back"),
+    "dlion/algorithms.py _headers": (1, "bucket", "the zero runs go to the host-built header"),
+    "dlion/algorithms.py _runs_fit": (3, "bucket",
+        "whether the codes' zero runs fit the header (bincount checks min and max; int())"),
+}
+
+
+def _allowed(budget: dict, units: dict) -> dict:
+    return {site: per * units[unit] for site, (per, unit, _why) in budget.items()}
+
+
+def check_budget(em: EmulatedDevice, budget: dict, units: dict) -> None:
+    allowed = _allowed(budget, units)
+    over = {site: (n, allowed.get(site, 0)) for site, n in em.by_function().items() if n > allowed.get(site, 0)}
+    assert not em.errors, em.errors
+    assert not over, ("host synchronisations over budget, site: (counted, allowed) "
+                      f"{over}; every sync counted: {dict(em.syncs)}")
+
+
+# -- the steps ---------------------------------------------------------------------------
+
+def dense_1bit_step() -> tuple[EmulatedDevice, SimulatedDistributedLion]:
+    """One dense 1-bit SimulatedDistributedLion step (N = 4, two buckets) after a warm-up step,
+    on emulated CUDA tensors: the audit, and the optimizer."""
+    g = torch.Generator().manual_seed(7)
+    params0 = [torch.randn(s, generator=g) for s in SHAPES]
+    grads0 = [[[torch.randn(s, generator=g) for s in SHAPES] for _ in range(N)] for _ in range(2)]
+    em = EmulatedDevice()
+    with em:
+        params, grads = to_device(params0), to_device(grads0)
+        sim = SimulatedDistributedLion(params, N, lr=LR, comm="1bit", bucket_cap_mb=CAP_MB)
+        sim.step(grads[0])
+        em.counting = True
+        sim.step(grads[1])
+        em.counting = False
+    # the same steps on the CPU give the same parameters (the emulation computes on the CPU)
+    ref = SimulatedDistributedLion(params0, N, lr=LR, comm="1bit", bucket_cap_mb=CAP_MB)
+    ref.step(grads0[0])
+    ref.step(grads0[1])
+    assert all(torch.equal(a, b) for a, b in zip(params, params0))
+    return em, sim
+
+
+def test_dense_1bit_simulated_step_within_budget():
+    em, sim = dense_1bit_step()
+    assert len(sim.buckets) == 2 and sim.step_count == 2
+    check_budget(em, DENSE_1BIT, {"bucket·worker": len(sim.buckets) * N, "bucket": len(sim.buckets)})
+    # the GPU's count, line for line (docs/results/gpu-check/cuda_sync_counts.json, less its
+    # cuda/__init__.py:1270 entry: the sync debug mode's own warning)
+    assert em.count() == 18, em.by_site()
+
+
+def test_lion_step_has_no_host_sync():
+    g = torch.Generator().manual_seed(7)
+    params0 = [torch.randn(s, generator=g) for s in SHAPES]
+    grads0 = [[torch.randn(s, generator=g) for s in SHAPES] for _ in range(2)]
+    for foreach in (None, False):
+        em = EmulatedDevice()
+        with em:
+            params = [p.requires_grad_() for p in to_device(params0)]
+            grads = to_device(grads0)
+            opt = dlion.Lion(params, lr=LR, weight_decay=0.1, foreach=foreach)
+            for step in range(2):
+                for p, gr in zip(params, grads[step]):
+                    p.grad = gr
+                em.counting = step == 1
+                opt.step()
+            em.counting = False
+            assert params[0].is_cuda and opt.state[params[0]]["exp_avg"].is_cuda
+        check_budget(em, LION, {})
+        assert em.count() == 0
+
+
+def _threaded_ranks(world: int, fn) -> list:
+    """``fn(rank)`` on ``world`` threads joined in one process group (torch's threaded test backend)."""
+    mtpg = pytest.importorskip("torch.testing._internal.distributed.multi_threaded_pg")
+    import torch.distributed as dist
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    mtpg._install_threaded_pg()
+    store = dist.HashStore()
+    results, errors = [None] * world, []
+
+    def run(rank):
+        try:
+            dist.init_process_group("threaded", rank=rank, world_size=world, store=store)
+            results[rank] = fn(rank)
+        except BaseException as e:  # noqa: BLE001  (re-raised below, in the test's thread)
+            errors.append(e)
+
+    try:
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    finally:
+        mtpg._uninstall_threaded_pg()
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_local_distributed_lion_round_within_budget():
+    """One round of LocalDistributedLion (H = 2: a local step, then a local step and the sync) on two
+    ranks, threads of this process; each thread audits its own rank (modes are per thread)."""
+    H, world = 2, 2
+    g = torch.Generator().manual_seed(7)
+    params0 = [torch.randn(s, generator=g) for s in SHAPES]
+
+    def rank_fn(rank):
+        gg = torch.Generator().manual_seed(100 + rank)
+        grads0 = [[torch.randn(s, generator=gg) for s in SHAPES] for _ in range(2 * H)]
+        em = EmulatedDevice()
+        with em:
+            params = [p.requires_grad_() for p in to_device([p.clone() for p in params0])]
+            grads = to_device(grads0)
+            opt = dlion.LocalDistributedLion(params, lr=LR, sync_every=H, comm="1bit", bucket_cap_mb=CAP_MB)
+            counts = []
+            for step in range(2 * H):  # the first round warms up; the second is audited
+                for p, gr in zip(params, grads[step]):
+                    p.grad = gr
+                em.syncs.clear()
+                em.counting = step >= H
+                opt.step()
+                em.counting = False
+                counts.append(em.by_function())
+                if step >= H:
+                    unit = {"step": 1, "bucket": len(opt.buckets) if step == 2 * H - 1 else 0,
+                            "round": int(step == 2 * H - 1)}
+                    check_budget(em, LOCAL_ROUND, unit)
+        return counts, len(opt.buckets)
+
+    for counts, buckets in _threaded_ranks(world, rank_fn):
+        assert buckets == 2
+        assert counts[H] == {"dlion/local.py _inner_step": 1}  # a local step: one read
+        assert sum(counts[2 * H - 1].values()) > 1             # the sync round was audited
