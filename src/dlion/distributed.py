@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import struct
 import warnings
 import zlib
@@ -68,6 +69,20 @@ __all__ = ["DistributedLion", "DesyncError", "momentum_sync_due", "reject_unsupp
 
 AGGREGATES = ("sign", "quantized")
 NONFINITE_POLICIES = ("skip", "raise")
+
+
+#: the end of the warning for unnamed parameters that share a shape and dtype (filters match it)
+ORDER_WARNING = "Pass model.named_parameters() so the order is checked."
+
+
+@contextlib.contextmanager
+def order_warning_silenced():
+    """No warning for unnamed same-shape parameters while constructing here: for integrations whose
+    framework builds the parameter list itself, from ``model.named_parameters()`` in the model's order
+    (the Trainer's groups; Accelerate's prepared model), so a user cannot pass the names."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*" + re.escape(ORDER_WARNING), category=UserWarning)
+        yield
 
 
 class DesyncError(RuntimeError):
@@ -332,7 +347,8 @@ class DistributedLion(Lion):
         apart (building the model the same way on every rank is the user's contract). With
         ``fused=True``, whether each rank loaded the native kernels (``kernels_error``: why not):
         where any could not, every rank raises the same error."""
-        names = [n for g in self.param_groups for n in g.get("param_names", [None] * len(g["params"]))]
+        names = self._param_names()
+        self._warn_if_order_unchecked(names)
         mine = [(tuple(p.shape), str(p.dtype).replace("torch.", ""), bool(p.requires_grad), n)
                 for p, n in zip(self._params, names)]
         everyone: list = [None] * self.world_size
@@ -367,6 +383,32 @@ class DistributedLion(Lion):
                          "bucket_cap_mb", "overlap", "check_every", "nonfinite", "momentum_dtype", "delay")
                 diff = [f"{n}={x!r} on rank {r}, {y!r} on rank 0" for n, x, y in zip(names, cfg, ref_cfg) if x != y]
                 raise ValueError("DistributedLion: ranks disagree on the optimizer's options: " + "; ".join(diff))
+
+    def _param_names(self) -> list:
+        """Each parameter's name, in order (None where the parameters were given without names)."""
+        return [n for g in self.param_groups for n in g.get("param_names", [None] * len(g["params"]))]
+
+    def _warn_if_order_unchecked(self, names: list) -> None:
+        """Warn (once, on every rank) when unnamed trainable parameters share a shape and dtype: two
+        of them in another order on one rank would pass every check and train the wrong weights."""
+        seen: dict = {}
+        for p, n in zip(self._params, names):
+            if n is None and p.requires_grad:
+                key = (tuple(p.shape), p.dtype)
+                seen[key] = seen.get(key, 0) + 1
+        shared = [(s, d) for (s, d), count in seen.items() if count > 1]
+        if shared:
+            s, d = shared[0]
+            warnings.warn(
+                f"{type(self).__name__}: the parameters were given without names and several share a shape and "
+                f"dtype (e.g. {len(shared)} such group(s), shape {s} {str(d).replace('torch.', '')}), so a rank that "
+                "lists them in another order cannot be told apart: its replicas would stay equal position by "
+                "position while the models differ. " + ORDER_WARNING,
+                UserWarning, stacklevel=4)
+
+    def _structure(self) -> str:
+        """The model's structure as every rank must see it: names (where given), shapes and dtypes, in order."""
+        return "|".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for p, n in zip(self._params, self._param_names()))
 
     @torch.no_grad()
     def _broadcast_parameters(self) -> None:
@@ -769,13 +811,15 @@ class DistributedLion(Lion):
     def check_replicas(self) -> None:
         """Raise :class:`DesyncError` unless every parameter is bitwise identical on all
         ranks: compares two 64-bit checksums of each parameter's bits (16 bytes per
-        parameter per rank through an all-gather)."""
+        parameter per rank through an all-gather), and a fingerprint of the model's structure
+        (names where given, shapes and dtypes, in order; 16 bytes more)."""
         if self.world_size == 1:
             return
         self._settle()  # (delay=1: every rank has applied the same Δs; the one in flight stays pending)
-        work, everyone = self._first.issue("all_gather", checksum_table(self._params), "check")
+        structure = self._structure()
+        work, everyone = self._first.issue("all_gather", checksum_table(self._params, structure), "check")
         work.wait()
-        raise_if_diverged(everyone, self._params, self.world_size, "DistributedLion", self.step_count)
+        raise_if_diverged(everyone, self._params, self.world_size, "DistributedLion", self.step_count, structure)
 
     # -- overlap with backward ---------------------------------------------------
     def _register_hooks(self) -> None:
@@ -1039,16 +1083,31 @@ def average_momenta(buffers: list, transport: GroupTransport, count: int) -> Non
             buf.momentum.copy_(flat)
 
 
-def checksum_table(params: list[Tensor]) -> Tensor:
+def _fingerprint(structure: str, count: int) -> Tensor:
+    """A structure string and a parameter count as one checksum row (two int64)."""
+    return torch.tensor([zlib.crc32(structure.encode()), count], dtype=torch.int64)
+
+
+def checksum_table(params: list[Tensor], structure: Optional[str] = None) -> Tensor:
     """This rank's row for a replica check: two 64-bit checksums per parameter, as int32 words,
-    on the parameters' device (NCCL only gathers device tensors)."""
-    return torch.stack([bits_checksum(p) for p in params]).view(torch.int32).reshape(-1).to(params[0].device)
+    on the parameters' device (NCCL only gathers device tensors); with ``structure`` (a string
+    naming the model's structure) one more pair, its fingerprint."""
+    rows = [bits_checksum(p) for p in params] + ([_fingerprint(structure, len(params))] if structure is not None
+                                                  else [])
+    return torch.stack(rows).view(torch.int32).reshape(-1).to(params[0].device)
 
 
-def raise_if_diverged(gathered: Tensor, params: list[Tensor], world: int, who: str, step: int) -> None:
+def raise_if_diverged(gathered: Tensor, params: list[Tensor], world: int, who: str, step: int,
+                      structure: Optional[str] = None) -> None:
     """Raise :class:`DesyncError` naming the first parameter whose checksums differ between
-    rank 0 and another rank, given every rank's :func:`checksum_table` row gathered."""
-    table = gathered.cpu().view(world, len(params), 4)
+    rank 0 and another rank, given every rank's :func:`checksum_table` row gathered (with the
+    same ``structure`` argument: first the structure fingerprints are compared)."""
+    table = gathered.cpu().view(world, len(params) + (structure is not None), 4)
+    if structure is not None:
+        for r in range(1, world):
+            if not torch.equal(table[r, -1], table[0, -1]):
+                raise DesyncError(f"{who}: the model's structure (parameter names where given, shapes and dtypes, "
+                                  f"in order) differs between rank 0 and rank {r} at step {step}.")
     for i, p in enumerate(params):
         for r in range(1, world):
             if not torch.equal(table[r, i], table[0, i]):

@@ -392,9 +392,11 @@ class LocalDistributedLion(DistributedLion):
         if self.world_size == 1:
             return
         with self.anchored():
-            work, everyone = self._first.issue("all_gather", checksum_table(self._params), "check")
+            structure = self._structure()
+            work, everyone = self._first.issue("all_gather", checksum_table(self._params, structure), "check")
             work.wait()
-            raise_if_diverged(everyone, self._params, self.world_size, "LocalDistributedLion", self.step_count)
+            raise_if_diverged(everyone, self._params, self.world_size, "LocalDistributedLion", self.step_count,
+                              structure)
 
     def state_dict(self) -> dict:
         sd = super().state_dict()
