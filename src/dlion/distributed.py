@@ -51,6 +51,7 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.algorithms.join import Join, JoinHook, Joinable
 from torch.profiler import record_function
 
 from . import kernels
@@ -129,7 +130,23 @@ class _Settled:
         self.present, self.errors, self.applied = present, [None] * buckets, 0
 
 
-class DistributedLion(Lion):
+class _ShadowSteps(JoinHook):
+    """``torch.distributed.algorithms.Join``: a rank that has run out of data answers each step of
+    the ranks still training with a step of its own without gradients (it abstains on every
+    parameter) and applies the same Δ, so the replicas stay bitwise identical."""
+
+    def __init__(self, opt: "DistributedLion"):
+        self.opt = opt
+
+    def main_hook(self) -> None:
+        self.opt._shadow_step()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        if self.opt.check_every:  # (every rank runs the post-hooks, once all have joined)
+            self.opt.check_replicas()
+
+
+class DistributedLion(Lion, Joinable):
     """Distributed Lion: a drop-in ``torch.optim.Optimizer`` for data-parallel training.
 
     Use it *instead of* DDP's gradient all-reduce: each rank calls
@@ -198,6 +215,11 @@ class DistributedLion(Lion):
             a small-batch 4-rank MaVo workload it slowed convergence badly (docs/benchmarks.md);
             check convergence on yours.
 
+    Uneven inputs (one rank runs out of batches first): wrap the training loop in
+    ``with torch.distributed.algorithms.Join([opt]):`` (``overlap=False``, ``delay=0``); a rank
+    that has left the loop answers every later step as an abstainer (no gradient on any
+    parameter) until every rank is done, so nothing hangs and the replicas stay identical.
+
     Parameters with ``requires_grad=False`` are never communicated and get no
     momentum. A parameter whose ``.grad`` is ``None`` on some ranks abstains there;
     one with no gradient on any rank is left untouched (no decay), like ``torch.optim``,
@@ -234,6 +256,8 @@ class DistributedLion(Lion):
         if delay and overlap:
             raise ValueError("delay=1 already overlaps each step's whole exchange with the next forward and "
                              "backward; it cannot be combined with overlap=True's gradient hooks.")
+        Joinable.__init__(self)  # a disabled join config until a Join context manager sets one
+        self._shadowing = False  # a Join shadow step is running (_shadow_step)
         distributed = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size(process_group) if distributed else 1
         self.rule = VoteRule(vote, world, ties=ties, seed=seed)
@@ -518,6 +542,9 @@ class DistributedLion(Lion):
                     f"on one rank, but the process group now has {dist.get_world_size(self.process_group)} ranks: "
                     "their replicas would diverge. Build the optimizer after init_process_group().")
             return self._local_step(closure)
+        # Inside torch.distributed.algorithms.Join: say "still training" (one all-reduce on the
+        # process group, before this step's collectives; nothing outside a Join context)
+        joined = None if self._shadowing else Join.notify_join_context(self)
         loss = self._evaluate(closure)
         self._check_frozen()
         if self.delay:
@@ -528,7 +555,45 @@ class DistributedLion(Lion):
             # like torch.optim, step with the accumulated .grad — finish and drop the exchange, send again.
             self._discard_in_flight()
         self._exchange(step_no)
+        if joined is not None:
+            joined.wait()
         return loss
+
+    # -- uneven inputs: torch.distributed.algorithms.Join ---------------------------
+    def join_hook(self, **kwargs) -> JoinHook:
+        """The hook ``Join`` runs on a rank that has run out of data, once per step of the ranks still
+        training: a step without gradients (:meth:`_shadow_step`). Needs ``overlap=False`` and ``delay=0``."""
+        if self.overlap or self.delay:
+            raise NotImplementedError(
+                f"{type(self).__name__}: torch.distributed.algorithms.Join needs overlap=False and delay=0 (with "
+                "overlap=True a bucket's collectives start during backward, before step() can tell Join that this "
+                "rank is still training; with delay=1 the exchange runs on a thread of its own).")
+        return _ShadowSteps(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._params[0].device if self._params else torch.device("cpu")
+
+    @property
+    def join_process_group(self):
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    @torch.no_grad()
+    def _shadow_step(self) -> None:
+        """A step with no gradient on this rank: the same buckets, algorithms and collectives as
+        the other ranks' step, contributing nothing (``has_grad`` all False: it abstains on every
+        parameter), then applying the agreed Δ (weight decay included) like every rank. Its own
+        ``.grad`` are put back afterwards; its momenta do not change."""
+        saved = [p.grad for p in self._params]
+        for p in self._params:
+            p.grad = None
+        self._shadowing = True
+        try:
+            self.step()
+        finally:
+            self._shadowing = False
+            for p, g in zip(self._params, saved):
+                p.grad = g
 
     def _exchange(self, step_no: int) -> None:
         """Contribute every bucket not yet issued, run the collectives, apply Δ (or raise on every rank)."""

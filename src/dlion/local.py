@@ -237,6 +237,14 @@ class LocalDistributedLion(DistributedLion):
         else:
             self._update_residual(k, present)
 
+    def join_hook(self, **kwargs):
+        """Not supported: ``torch.distributed.algorithms.Join`` needs a collective in every step, and
+        a round talks once every ``sync_every`` steps."""
+        raise NotImplementedError(
+            "LocalDistributedLion does not support torch.distributed.algorithms.Join (uneven inputs): its ranks "
+            "talk once per round, not once per step. Give every rank the same number of steps (e.g. drop the last "
+            "batches, or stop every rank at the shortest shard's length).")
+
     # -- the step ----------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler=None):
