@@ -42,7 +42,7 @@ class TinyLM(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return dlion.DistributedLion(self.parameters(), lr=3e-3, weight_decay=0.1)
+        return dlion.DistributedLion(self.named_parameters(), lr=3e-3, weight_decay=0.1)
 
     def train_dataloader(self):  # Lightning adds the DistributedSampler
         g = torch.Generator().manual_seed(0)

@@ -50,7 +50,7 @@ class TinyLM(L.LightningModule):
     def configure_optimizers(self):
         if self.optimizer == "sgd":
             return torch.optim.SGD(self.parameters(), lr=1e-3)
-        return dlion.DistributedLion(self.parameters(), lr=3e-3, weight_decay=0.1, comm="1bit", overlap=self.overlap)
+        return dlion.DistributedLion(self.named_parameters(), lr=3e-3, weight_decay=0.1, comm="1bit", overlap=self.overlap)
 
     def train_dataloader(self):
         return torch.utils.data.DataLoader(TokenData(n=32, vocab=VOCAB), batch_size=2, shuffle=True)

@@ -170,6 +170,50 @@ def named_order_worker(rank, world, named):
     return None
 
 
+def order_warning_worker(rank, world):
+    """The warnings DistributedLion's construction gives for three models, and check_replicas()
+    with and without one rank's names changed afterwards."""
+    out = {}
+    for case in ("ambiguous", "named", "distinct"):
+        torch.manual_seed(0)
+        if case == "distinct":
+            model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+        else:
+            model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt = dlion.DistributedLion(model.named_parameters() if case == "named" else model.parameters(), lr=0.1)
+        out[case] = [str(w.message) for w in caught if issubclass(w.category, UserWarning)
+                     and "named_parameters" in str(w.message)]
+    opt.check_replicas()  # (the "distinct" model, unnamed): equal replicas, the same structure
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    opt = dlion.DistributedLion(model.named_parameters(), lr=0.1)
+    opt.check_replicas()
+    if rank == 1:  # the same weights under another name on one rank: the structure differs
+        opt.param_groups[0]["param_names"][0] = "other.weight"
+    try:
+        opt.check_replicas()
+    except dlion.DesyncError as e:
+        out["desync"] = str(e)
+    return out
+
+
+def test_unnamed_parameters_of_one_shape_warn_and_check_replicas_compares_the_structure():
+    """Without names, same-shape parameters in another order on one rank go unnoticed (the replicas
+    stay equal position by position): construction warns on every rank, naming the remedy; not
+    with names (a swapped order then raises: test_parameters_in_another_order_on_one_rank_raise_when_named)
+    nor when no two trainable parameters share a shape and dtype. check_replicas() also compares a
+    fingerprint of the structure (names, shapes, dtypes in order): a name changed on one rank raises
+    on every rank."""
+    for out in spawn(order_warning_worker, 2, timeout_s=60):
+        assert len(out["ambiguous"]) == 1 and "Pass model.named_parameters() so the order is checked" in \
+            out["ambiguous"][0]
+        assert out["named"] == [] and out["distinct"] == []
+        assert "the model's structure (parameter names where given, shapes and dtypes, in order) differs " \
+            "between rank 0 and rank 1" in out["desync"]
+
+
 def named_train_worker(rank, world, named):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import struct
 import warnings
 import zlib
@@ -50,6 +51,7 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.algorithms.join import Join, JoinHook, Joinable
 from torch.profiler import record_function
 
 from . import kernels
@@ -68,6 +70,20 @@ __all__ = ["DistributedLion", "DesyncError", "momentum_sync_due", "reject_unsupp
 
 AGGREGATES = ("sign", "quantized")
 NONFINITE_POLICIES = ("skip", "raise")
+
+
+#: the end of the warning for unnamed parameters that share a shape and dtype (filters match it)
+ORDER_WARNING = "Pass model.named_parameters() so the order is checked."
+
+
+@contextlib.contextmanager
+def order_warning_silenced():
+    """No warning for unnamed same-shape parameters while constructing here: for integrations whose
+    framework builds the parameter list itself, from ``model.named_parameters()`` in the model's order
+    (the Trainer's groups; Accelerate's prepared model), so a user cannot pass the names."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*" + re.escape(ORDER_WARNING), category=UserWarning)
+        yield
 
 
 class DesyncError(RuntimeError):
@@ -114,7 +130,23 @@ class _Settled:
         self.present, self.errors, self.applied = present, [None] * buckets, 0
 
 
-class DistributedLion(Lion):
+class _ShadowSteps(JoinHook):
+    """``torch.distributed.algorithms.Join``: a rank that has run out of data answers each step of
+    the ranks still training with a step of its own without gradients (it abstains on every
+    parameter) and applies the same Δ, so the replicas stay bitwise identical."""
+
+    def __init__(self, opt: "DistributedLion"):
+        self.opt = opt
+
+    def main_hook(self) -> None:
+        self.opt._shadow_step()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        if self.opt.check_every:  # (every rank runs the post-hooks, once all have joined)
+            self.opt.check_replicas()
+
+
+class DistributedLion(Lion, Joinable):
     """Distributed Lion: a drop-in ``torch.optim.Optimizer`` for data-parallel training.
 
     Use it *instead of* DDP's gradient all-reduce: each rank calls
@@ -183,6 +215,11 @@ class DistributedLion(Lion):
             a small-batch 4-rank MaVo workload it slowed convergence badly (docs/benchmarks.md);
             check convergence on yours.
 
+    Uneven inputs (one rank runs out of batches first): wrap the training loop in
+    ``with torch.distributed.algorithms.Join([opt]):`` (``overlap=False``, ``delay=0``); a rank
+    that has left the loop answers every later step as an abstainer (no gradient on any
+    parameter) until every rank is done, so nothing hangs and the replicas stay identical.
+
     Parameters with ``requires_grad=False`` are never communicated and get no
     momentum. A parameter whose ``.grad`` is ``None`` on some ranks abstains there;
     one with no gradient on any rank is left untouched (no decay), like ``torch.optim``,
@@ -219,6 +256,8 @@ class DistributedLion(Lion):
         if delay and overlap:
             raise ValueError("delay=1 already overlaps each step's whole exchange with the next forward and "
                              "backward; it cannot be combined with overlap=True's gradient hooks.")
+        Joinable.__init__(self)  # a disabled join config until a Join context manager sets one
+        self._shadowing = False  # a Join shadow step is running (_shadow_step)
         distributed = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size(process_group) if distributed else 1
         self.rule = VoteRule(vote, world, ties=ties, seed=seed)
@@ -332,7 +371,8 @@ class DistributedLion(Lion):
         apart (building the model the same way on every rank is the user's contract). With
         ``fused=True``, whether each rank loaded the native kernels (``kernels_error``: why not):
         where any could not, every rank raises the same error."""
-        names = [n for g in self.param_groups for n in g.get("param_names", [None] * len(g["params"]))]
+        names = self._param_names()
+        self._warn_if_order_unchecked(names)
         mine = [(tuple(p.shape), str(p.dtype).replace("torch.", ""), bool(p.requires_grad), n)
                 for p, n in zip(self._params, names)]
         everyone: list = [None] * self.world_size
@@ -367,6 +407,32 @@ class DistributedLion(Lion):
                          "bucket_cap_mb", "overlap", "check_every", "nonfinite", "momentum_dtype", "delay")
                 diff = [f"{n}={x!r} on rank {r}, {y!r} on rank 0" for n, x, y in zip(names, cfg, ref_cfg) if x != y]
                 raise ValueError("DistributedLion: ranks disagree on the optimizer's options: " + "; ".join(diff))
+
+    def _param_names(self) -> list:
+        """Each parameter's name, in order (None where the parameters were given without names)."""
+        return [n for g in self.param_groups for n in g.get("param_names", [None] * len(g["params"]))]
+
+    def _warn_if_order_unchecked(self, names: list) -> None:
+        """Warn (once, on every rank) when unnamed trainable parameters share a shape and dtype: two
+        of them in another order on one rank would pass every check and train the wrong weights."""
+        seen: dict = {}
+        for p, n in zip(self._params, names):
+            if n is None and p.requires_grad:
+                key = (tuple(p.shape), p.dtype)
+                seen[key] = seen.get(key, 0) + 1
+        shared = [(s, d) for (s, d), count in seen.items() if count > 1]
+        if shared:
+            s, d = shared[0]
+            warnings.warn(
+                f"{type(self).__name__}: the parameters were given without names and several share a shape and "
+                f"dtype (e.g. {len(shared)} such group(s), shape {s} {str(d).replace('torch.', '')}), so a rank that "
+                "lists them in another order cannot be told apart: its replicas would stay equal position by "
+                "position while the models differ. " + ORDER_WARNING,
+                UserWarning, stacklevel=4)
+
+    def _structure(self) -> str:
+        """The model's structure as every rank must see it: names (where given), shapes and dtypes, in order."""
+        return "|".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for p, n in zip(self._params, self._param_names()))
 
     @torch.no_grad()
     def _broadcast_parameters(self) -> None:
@@ -476,6 +542,9 @@ class DistributedLion(Lion):
                     f"on one rank, but the process group now has {dist.get_world_size(self.process_group)} ranks: "
                     "their replicas would diverge. Build the optimizer after init_process_group().")
             return self._local_step(closure)
+        # Inside torch.distributed.algorithms.Join: say "still training" (one all-reduce on the
+        # process group, before this step's collectives; nothing outside a Join context)
+        joined = None if self._shadowing else Join.notify_join_context(self)
         loss = self._evaluate(closure)
         self._check_frozen()
         if self.delay:
@@ -486,7 +555,45 @@ class DistributedLion(Lion):
             # like torch.optim, step with the accumulated .grad — finish and drop the exchange, send again.
             self._discard_in_flight()
         self._exchange(step_no)
+        if joined is not None:
+            joined.wait()
         return loss
+
+    # -- uneven inputs: torch.distributed.algorithms.Join ---------------------------
+    def join_hook(self, **kwargs) -> JoinHook:
+        """The hook ``Join`` runs on a rank that has run out of data, once per step of the ranks still
+        training: a step without gradients (:meth:`_shadow_step`). Needs ``overlap=False`` and ``delay=0``."""
+        if self.overlap or self.delay:
+            raise NotImplementedError(
+                f"{type(self).__name__}: torch.distributed.algorithms.Join needs overlap=False and delay=0 (with "
+                "overlap=True a bucket's collectives start during backward, before step() can tell Join that this "
+                "rank is still training; with delay=1 the exchange runs on a thread of its own).")
+        return _ShadowSteps(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._params[0].device if self._params else torch.device("cpu")
+
+    @property
+    def join_process_group(self):
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    @torch.no_grad()
+    def _shadow_step(self) -> None:
+        """A step with no gradient on this rank: the same buckets, algorithms and collectives as
+        the other ranks' step, contributing nothing (``has_grad`` all False: it abstains on every
+        parameter), then applying the agreed Δ (weight decay included) like every rank. Its own
+        ``.grad`` are put back afterwards; its momenta do not change."""
+        saved = [p.grad for p in self._params]
+        for p in self._params:
+            p.grad = None
+        self._shadowing = True
+        try:
+            self.step()
+        finally:
+            self._shadowing = False
+            for p, g in zip(self._params, saved):
+                p.grad = g
 
     def _exchange(self, step_no: int) -> None:
         """Contribute every bucket not yet issued, run the collectives, apply Δ (or raise on every rank)."""
@@ -769,13 +876,15 @@ class DistributedLion(Lion):
     def check_replicas(self) -> None:
         """Raise :class:`DesyncError` unless every parameter is bitwise identical on all
         ranks: compares two 64-bit checksums of each parameter's bits (16 bytes per
-        parameter per rank through an all-gather)."""
+        parameter per rank through an all-gather), and a fingerprint of the model's structure
+        (names where given, shapes and dtypes, in order; 16 bytes more)."""
         if self.world_size == 1:
             return
         self._settle()  # (delay=1: every rank has applied the same Δs; the one in flight stays pending)
-        work, everyone = self._first.issue("all_gather", checksum_table(self._params), "check")
+        structure = self._structure()
+        work, everyone = self._first.issue("all_gather", checksum_table(self._params, structure), "check")
         work.wait()
-        raise_if_diverged(everyone, self._params, self.world_size, "DistributedLion", self.step_count)
+        raise_if_diverged(everyone, self._params, self.world_size, "DistributedLion", self.step_count, structure)
 
     # -- overlap with backward ---------------------------------------------------
     def _register_hooks(self) -> None:
@@ -1039,16 +1148,31 @@ def average_momenta(buffers: list, transport: GroupTransport, count: int) -> Non
             buf.momentum.copy_(flat)
 
 
-def checksum_table(params: list[Tensor]) -> Tensor:
+def _fingerprint(structure: str, count: int) -> Tensor:
+    """A structure string and a parameter count as one checksum row (two int64)."""
+    return torch.tensor([zlib.crc32(structure.encode()), count], dtype=torch.int64)
+
+
+def checksum_table(params: list[Tensor], structure: Optional[str] = None) -> Tensor:
     """This rank's row for a replica check: two 64-bit checksums per parameter, as int32 words,
-    on the parameters' device (NCCL only gathers device tensors)."""
-    return torch.stack([bits_checksum(p) for p in params]).view(torch.int32).reshape(-1).to(params[0].device)
+    on the parameters' device (NCCL only gathers device tensors); with ``structure`` (a string
+    naming the model's structure) one more pair, its fingerprint."""
+    rows = [bits_checksum(p) for p in params] + ([_fingerprint(structure, len(params))] if structure is not None
+                                                  else [])
+    return torch.stack(rows).view(torch.int32).reshape(-1).to(params[0].device)
 
 
-def raise_if_diverged(gathered: Tensor, params: list[Tensor], world: int, who: str, step: int) -> None:
+def raise_if_diverged(gathered: Tensor, params: list[Tensor], world: int, who: str, step: int,
+                      structure: Optional[str] = None) -> None:
     """Raise :class:`DesyncError` naming the first parameter whose checksums differ between
-    rank 0 and another rank, given every rank's :func:`checksum_table` row gathered."""
-    table = gathered.cpu().view(world, len(params), 4)
+    rank 0 and another rank, given every rank's :func:`checksum_table` row gathered (with the
+    same ``structure`` argument: first the structure fingerprints are compared)."""
+    table = gathered.cpu().view(world, len(params) + (structure is not None), 4)
+    if structure is not None:
+        for r in range(1, world):
+            if not torch.equal(table[r, -1], table[0, -1]):
+                raise DesyncError(f"{who}: the model's structure (parameter names where given, shapes and dtypes, "
+                                  f"in order) differs between rank 0 and rank {r} at step {step}.")
     for i, p in enumerate(params):
         for r in range(1, world):
             if not torch.equal(table[r, i], table[0, i]):

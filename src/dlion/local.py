@@ -237,6 +237,14 @@ class LocalDistributedLion(DistributedLion):
         else:
             self._update_residual(k, present)
 
+    def join_hook(self, **kwargs):
+        """Not supported: ``torch.distributed.algorithms.Join`` needs a collective in every step, and
+        a round talks once every ``sync_every`` steps."""
+        raise NotImplementedError(
+            "LocalDistributedLion does not support torch.distributed.algorithms.Join (uneven inputs): its ranks "
+            "talk once per round, not once per step. Give every rank the same number of steps (e.g. drop the last "
+            "batches, or stop every rank at the shortest shard's length).")
+
     # -- the step ----------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler=None):
@@ -392,9 +400,11 @@ class LocalDistributedLion(DistributedLion):
         if self.world_size == 1:
             return
         with self.anchored():
-            work, everyone = self._first.issue("all_gather", checksum_table(self._params), "check")
+            structure = self._structure()
+            work, everyone = self._first.issue("all_gather", checksum_table(self._params, structure), "check")
             work.wait()
-            raise_if_diverged(everyone, self._params, self.world_size, "LocalDistributedLion", self.step_count)
+            raise_if_diverged(everyone, self._params, self.world_size, "LocalDistributedLion", self.step_count,
+                              structure)
 
     def state_dict(self) -> dict:
         sd = super().state_dict()

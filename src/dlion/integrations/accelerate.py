@@ -58,7 +58,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from ..distributed import DistributedLion
+from ..distributed import DistributedLion, order_warning_silenced
 from ._common import (CommMeter, check_version, load_rank_state, require_dlion, require_method, save_rank_state,
                       unwrap_optimizer)
 
@@ -146,7 +146,8 @@ def prepare(accelerator: Accelerator, model, optimizer: Union[DistributedLion, C
         raise ValueError(f"device_placement needs {2 + len(args)} entries (model, optimizer, *args).")
     model = accelerator.prepare_model(model, device_placement=places[0], evaluation_mode=True)
     if not isinstance(optimizer, torch.optim.Optimizer):
-        optimizer = optimizer(model.parameters())
+        with order_warning_silenced():  # (the factory gets the parameters without names, in the model's order)
+            optimizer = optimizer(model.parameters())
     inner = require_dlion(optimizer, "dlion.integrations.accelerate.prepare")
     model.no_sync = inner.no_sync  # accelerator.accumulate()/no_sync() look it up with getattr(model, "no_sync")
     if args:

@@ -59,7 +59,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.training_args import ParallelMode
 
-from ..distributed import DistributedLion
+from ..distributed import DistributedLion, order_warning_silenced
 from ._common import (CommMeter, anchored, check_version, load_rank_state, rank_state_exists_everywhere, require_dlion,
                       require_method, save_rank_state)
 
@@ -149,7 +149,8 @@ class DLionTrainer(Trainer):
                           f"overridden by the Trainer's parameter groups (args.weight_decay={self.args.weight_decay} "
                           "for weights, 0 for biases and norms); set TrainingArguments(weight_decay=...).",
                           stacklevel=2)
-        opt = super().create_optimizer(model)
+        with order_warning_silenced():  # (the Trainer's groups come without names, in named_parameters() order)
+            opt = super().create_optimizer(model)
         inner = require_dlion(opt, "DLionTrainer")
         if inner.overlap and self.args.max_grad_norm and self.args.max_grad_norm > 0:
             raise ValueError(

@@ -33,7 +33,7 @@ Importing this module registers the strategy as ``"dlion"`` (and
 
     class Model(L.LightningModule):
         def configure_optimizers(self):
-            return dlion.DistributedLion(self.parameters(), lr=3e-4, weight_decay=0.1)
+            return dlion.DistributedLion(self.named_parameters(), lr=3e-4, weight_decay=0.1)
 
     trainer = L.Trainer(strategy="dlion", devices=4, accumulate_grad_batches=2,
                         callbacks=[dlion.integrations.lightning.CommLogger()])
