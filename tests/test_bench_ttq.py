@@ -390,3 +390,19 @@ def test_step_times_of_another_sync_every_are_refused_for_local_methods(tmp_path
     assert ttq._step_times(str(path), {**cfg, "methods": ["g-lion"]}, 4)[0]["g-lion"] == {"50mbit": 100.0}
     assert ttq._step_times(str(path), {**cfg, "sync_every": 5, "methods": ["d-local-mavo"]}, 4)[0][
         "d-local-mavo"] == {"50mbit": 20.0}
+
+
+def test_across_compares_ties_only_between_runs_whose_methods_take_them():
+    """A run of a method that ties by its own rule (-rt) may sit beside one whose --ties differs;
+    two runs of methods that take --ties may not."""
+    from dlion.lab.bench import ttq_seeds
+
+    rt = [_seed_doc(k, {"d-mavo-1bit-ov-rt": (600, 2.0, {"50mbit": 30.0})}) for k in (0, 1)]
+    local = _seed_doc(0, {"d-local-mavo": (900, 2.05, {"50mbit": 20.0})})
+    local["config"]["ties"] = "random"
+    s = ttq_seeds.summarize([*rt, local])
+    assert set(s["methods"]) == {"d-mavo-1bit-ov-rt", "d-local-mavo"}
+    assert s["methods"]["d-local-mavo"]["run"] == [True, False]
+    plain = [_seed_doc(k, {"d-mavo-1bit-ov": (600, 2.0, {"50mbit": 30.0})}) for k in (0, 1)]  # ties: --ties
+    with pytest.raises(ValueError, match="ties"):
+        ttq_seeds.summarize([*plain, local])

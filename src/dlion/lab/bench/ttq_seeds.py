@@ -21,7 +21,7 @@ import os
 import statistics
 from typing import Optional
 
-from .ttq import _rate_key
+from .ttq import _rate_key, _takes_ties
 
 #: what the runs must share (besides the seed and the lr) to be compared
 SHARED = ("n_layer", "n_embd", "n_head", "block_size", "batch_size", "bucket_mb", "weight_decay", "betas",
@@ -40,8 +40,13 @@ def summarize(docs: list[dict]) -> dict:
     """The per-seed figures of ``docs`` (composed ttq results) side by side; raises
     ``ValueError`` when they are not runs of one workload, target and step-time file."""
     ref = docs[0] if docs else None
+
+    def ties_matter(doc: dict) -> bool:  # --ties is a setting of the methods that take it, not of the workload
+        return any(_takes_ties(m) for m in doc["config"].get("methods", doc["composed"]["methods"]))
+
     for d in docs[1:]:
-        diff = [k for k in SHARED if _setting(d, k) != _setting(ref, k)]
+        diff = [k for k in SHARED if _setting(d, k) != _setting(ref, k)
+                and (k != "ties" or (ties_matter(d) and ties_matter(ref)))]
         if diff:
             raise ValueError(f"seed {d['config'].get('seed')} differs from seed {ref['config'].get('seed')} in "
                              + ", ".join(f"{k} ({_setting(d, k)!r} vs {_setting(ref, k)!r})" for k in diff))
