@@ -3,8 +3,9 @@
 # docs/results.md, "Talking every H steps"): a queue in priority order, run two at a
 # time, one torch thread each, N = 4, 2000 steps, the lr / weight decay of the
 # every-step method with the same inner optimizer from docs/results/charlm/tuned.json.
-# Resumable: run it again and the runs already in $OUT/runs.jsonl are skipped (a run
-# cut off in the middle starts again from step 0).
+# Resumable: run it again and the runs already in $OUT/runs.jsonl are skipped, and so
+# are runs going on in another process (a run cut off in the middle starts again from
+# step 0). Runs of the queue started by hand (`one`) count against the two at a time.
 #
 #   nohup scripts/charlm_local_queue.sh > charlm-local-queue.log 2>&1 &
 #   scripts/charlm_local_queue.sh list        # the queue, each entry done or not
@@ -63,12 +64,19 @@ list)
 one)
     spec=${2:?spec}
     seed=${3:?seed}
+    name="$(echo "$spec" | tr ':=' '-_')_s$seed"
+    dir="$OUT/shards/$name"
+    # one copy of a run at a time: a lock per run, and no second copy of one started without it
+    mkdir -p "$OUT/.locks"
+    exec 8> "$OUT/.locks/$name"
+    if ! flock -n 8 || pgrep -f -- "--out $dir --resume" > /dev/null; then
+        echo "$(date +%T) skip $spec seed=$seed (running in another process)"
+        exit 0
+    fi
     if is_done "$spec" "$seed"; then
         echo "$(date +%T) skip $spec seed=$seed (in $OUT/runs.jsonl)"
         exit 0
     fi
-    name="$(echo "$spec" | tr ':=' '-_')_s$seed"
-    dir="$OUT/shards/$name"
     echo "$(date +%T) start $spec seed=$seed -> $dir"
     $PY -m dlion experiment --task charlm --methods "$spec" --workers 4 --seeds "$seed" --steps 2000 \
         --config "$CONFIG" --out "$dir" --resume --quiet --threads 1 > /dev/null
