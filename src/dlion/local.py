@@ -34,9 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .algorithms import NONFINITE
 from .buckets import Bucket, _all_finite, apply_codes
-from .distributed import DistributedLion, raise_if_diverged, checksum_table
+from .distributed import DistributedLion, _Step, checksum_table, raise_if_diverged
 from .lion import Lion, check_grad
 from .quantize import quantize
 
@@ -269,6 +268,14 @@ class LocalDistributedLion(DistributedLion):
             self._stream_round()
         else:
             self._sync_round()
+        if self.check_every and (self.step_count // self.sync_every) % self.check_every == 0:
+            self.check_replicas()
+
+    def _reset_round(self) -> None:
+        """The next round starts: no lr summed, nothing touched, no error recorded."""
+        self._round_lr = [0.0] * len(self.param_groups)
+        self._touched = [[False] * len(b.params) for b in self.buckets]
+        self._round_error, self._round_nonfinite = None, False
 
     def _inner_step(self, skip: bool = False) -> None:
         """One local Lion step on this rank's parameters, unless its gradients are invalid or non-finite."""
@@ -303,16 +310,12 @@ class LocalDistributedLion(DistributedLion):
             self._measure_progress(self._anchor)
             self._exchange(self.step_count)
         finally:
-            self._round_lr = [0.0] * len(self.param_groups)
-            self._touched = [[False] * len(b.params) for b in self.buckets]
-            self._round_error, self._round_nonfinite = None, False
+            self._reset_round()
         if self.skipped_steps != skipped:
             # (only a non-finite residual gets here): every rank restarts the round from the anchor
             for k, b in enumerate(self.buckets):
                 torch._foreach_copy_([p.detach() for p in b.params], b.views(self._anchor[k]))
                 self._error[k].nan_to_num_(0.0, 0.0, 0.0)
-        if self.check_every and (self.step_count // self.sync_every) % self.check_every == 0:
-            self.check_replicas()
 
     def _stream_round(self) -> None:
         """Streaming: this round's progress is measured, the round in flight is applied (its Δ was
@@ -322,7 +325,6 @@ class LocalDistributedLion(DistributedLion):
         for k, b in enumerate(self.buckets):  # the next round starts here
             torch._foreach_copy_(b.views(self._start[k]), [p.detach() for p in b.params])
         self._flight_lr = list(self._round_lr)
-        from .distributed import _Step
         st = self._step = _Step(self)
         try:
             for pending in st.pending:
@@ -330,12 +332,8 @@ class LocalDistributedLion(DistributedLion):
             self._issue_ready(self.step_count)
         finally:
             self._step = None
-            self._round_lr = [0.0] * len(self.param_groups)
-            self._touched = [[False] * len(b.params) for b in self.buckets]
-            self._round_error, self._round_nonfinite = None, False
+            self._reset_round()
         self._in_flight = (self.step_count, st, None)
-        if self.check_every and (self.step_count // self.sync_every) % self.check_every == 0:
-            self.check_replicas()
 
     def _finish(self, step_no, st, outcomes) -> None:
         if any(o.nonfinite for o in outcomes) and self.nonfinite == "raise":
