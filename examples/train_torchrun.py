@@ -99,7 +99,7 @@ for epoch in range(args.epochs):
 # -----------------------------------------------------------------------------
 # evaluation on rank 0 (all ranks hold the same parameters)
 bits = opt.comm_stats.bits_per_param_per_step(opt.num_params)  # training traffic only
-opt.check_replicas()  # raises dlion.distributed.DesyncError if any rank differs
+opt.check_replicas()  # raises dlion.DesyncError if any rank differs
 if master:
     model.eval()
     with torch.no_grad():

@@ -11,7 +11,7 @@ after warm-up (CUDA events on the GPU, wall clock on the CPU):
 * the library's contribution of one rank (c = β1·m + (1 − β1)·g, its sign as int8), the 1-bit
   packing of the signs (``codec.SignCodec.encode``) and both together;
 * the majority vote of N = 4 and N = 8 packed rows as the library runs it on this device
-  (``algorithms.OneBit``: on CUDA the bit-sliced vote in torch ops, codes as 1 bit, or in base 3
+  (``wire.OneBit``: on CUDA the bit-sliced vote in torch ops, codes as 1 bit, or in base 3
   for ties="zero" at even N; on the CPU the native bit-sliced vote, or unpack, count, sign and
   base-3 codes for ties="zero" at even N), the library's torch-op vote itself
   (``OneBit._vote_packed_torch``, ties="random": what device payloads take, forced on the CPU),
@@ -48,8 +48,8 @@ import torch
 import dlion
 import dlion.simulate as simulate_module
 from dlion import bitvote, kernels
-from dlion.aggregation import VoteRule
-from dlion.algorithms import Contribution, OneBit, _torch_vote, vote_tally
+from dlion.vote import VoteRule
+from dlion.wire import Contribution, OneBit, _torch_vote, vote_tally
 from dlion.buckets import RankBuffers, Scratch, apply_codes, contribute, layout_buckets
 from dlion.codec import SignCodec
 from dlion.simulate import SimulatedDistributedLion

@@ -9,8 +9,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from dlion.aggregation import VoteRule, tie_coins_at
-from dlion.algorithms import Contribution, OneBit
+from dlion.vote import VoteRule, tie_coins_at
+from dlion.wire import Contribution, OneBit
 from dlion.bitvote import compare_count, count_planes, popcount_prefix
 
 
@@ -111,9 +111,9 @@ def _check_packed_vote(world, blocks, seed, ties, gathered, rank):
 
 # -- the torch-op vote (device payloads) against the native and numpy vote -------------------------
 
-from dlion import algorithms  # noqa: E402
-from dlion.aggregation import coin_bits, coin_bits_torch  # noqa: E402
-from dlion.algorithms import vote_tally  # noqa: E402
+from dlion import wire  # noqa: E402
+from dlion.vote import coin_bits, coin_bits_torch  # noqa: E402
+from dlion.wire import vote_tally  # noqa: E402
 from dlion.bitvote import (compare_count_torch, count_planes_torch, equals_all_torch, pack_bits_torch,  # noqa: E402
                            popcount_prefix_torch, unpack_bits_torch)
 
@@ -155,7 +155,7 @@ def test_coin_bits_torch_equal_numpy(key, start, n):
 @given(st.integers(2, 9), st.integers(1, 6), st.integers(0, 2**31 - 1), st.sampled_from(["zero", "random", "previous"]),
        st.booleans(), st.integers(0, 8), st.sampled_from(["1", "0"]), st.booleans())
 def test_torch_vote_equals_native_and_numpy_vote(world, blocks, seed, ties, gathered, rank, native, no_previous):
-    """OneBit's vote in torch ops (algorithms.TORCH_VOTE, what device payloads take) against the
+    """OneBit's vote in torch ops (wire.TORCH_VOTE, what device payloads take) against the
     CPU's (native kernels.majority, or numpy with DLION_NATIVE=0), bitwise: the packed codes and the
     tally; and where the codes go back in base 3 (ties="zero", even N), its int8 codes against
     ``rule.decide`` and ``vote_tally`` of the counted sums (the path the CPU takes there)."""
@@ -191,11 +191,11 @@ def test_torch_vote_equals_native_and_numpy_vote(world, blocks, seed, ties, gath
     got, got_tally = alg._vote_packed_torch(rows, width, real, key, lo, contrib)
     assert got.dtype == torch.uint8 and torch.equal(got, want)
     assert got_tally.dtype == torch.int64 and got_tally.tolist() == want_tally.tolist()
-    algorithms.TORCH_VOTE = True  # the switch routes _vote_packed itself
+    wire.TORCH_VOTE = True  # the switch routes _vote_packed itself
     try:
         again, again_tally = alg._vote_packed(rows, width, real, key, lo, contrib)
     finally:
-        algorithms.TORCH_VOTE = False
+        wire.TORCH_VOTE = False
     assert torch.equal(again, want) and again_tally.tolist() == want_tally.tolist()
 
 
@@ -213,7 +213,7 @@ def _simulate(world, ties, grads_kind, torch_vote, calls):
         calls.append(kw.get("codes", False))
         return original(self, *a, **kw)
 
-    algorithms.TORCH_VOTE = torch_vote
+    wire.TORCH_VOTE = torch_vote
     OneBit._vote_packed_torch = counted
     try:
         for t in range(5):
@@ -229,7 +229,7 @@ def _simulate(world, ties, grads_kind, torch_vote, calls):
                 grads.append(g)
             sim.step(grads)
     finally:
-        algorithms.TORCH_VOTE = False
+        wire.TORCH_VOTE = False
         OneBit._vote_packed_torch = original
     st_ = sim.comm_stats
     return params, (st_.voted, st_.unanimous, st_.tied, st_.bytes_sent, st_.bytes_received)

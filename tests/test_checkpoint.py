@@ -11,7 +11,7 @@ from torch import nn
 import dlion
 from dlion import checkpoint
 from dlion.checkpoint import CheckpointError, CheckpointWarning
-from dlion.distributed import DesyncError
+from dlion import DesyncError
 from dlion.lab.spawn import spawn
 
 K = 5  # steps before the checkpoint; the runs go to 2K

@@ -11,7 +11,7 @@ from torch import nn
 
 from dlion import checkpoint
 from dlion.checkpoint import CheckpointError, CheckpointWarning
-from dlion.distributed import DesyncError
+from dlion import DesyncError
 from dlion.lab.spawn import spawn
 
 from test_checkpoint import assert_same, make_model, make_opt, snapshot, train
@@ -70,7 +70,7 @@ def resized(rank, world, path):
         # the momenta are views into the optimizer's flat bucket buffers, and stay so
         views = all(opt.state[p]["exp_avg"].untyped_storage().data_ptr() ==
                     buf.momentum.untyped_storage().data_ptr()
-                    for b, buf in zip(opt.buckets, opt._buffers) for p in b.params)
+                    for b, buf in ((s.bucket, s.buffers) for s in opt._slots) for p in b.params)
         out[policy] = dict(info=(info.policy, info.source_ranks, info.rng_restored),
                            warned=[str(x.message) for x in w if issubclass(x.category, CheckpointWarning)],
                            momenta={k: v["exp_avg"].clone() for k, v in opt.state_dict()["state"].items()},

@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from dlion.aggregation import VoteRule, coin_key, tie_coins
+from dlion.vote import VoteRule, coin_key, tie_coins
 from dlion.codec import ALIGN, FieldCodec, SignCodec, TritCodec, pack_bits, unpack_bits
 
 lengths = st.integers(min_value=0, max_value=400).map(lambda k: k * ALIGN // 8 * 8)
@@ -141,7 +141,7 @@ def test_bad_rule(bad, message):
 @settings(max_examples=80, deadline=None)
 @given(st.integers(1, 200), st.integers(0, 300), st.sampled_from(["int8", "uint8", "bool"]), st.integers(0, 2**31 - 1))
 def test_row_sum_counts_like_a_wide_sum(rows, width, kind, seed):
-    from dlion.algorithms import row_sum
+    from dlion.wire import row_sum
 
     g = torch.Generator().manual_seed(seed)
     if kind == "int8":  # sign votes, the extremes included (all −1 or all +1 in a column)
@@ -167,7 +167,7 @@ def _coin_by_hand(key, i):
 
 
 def test_tie_coins_equal_the_hash_written_out_on_both_code_paths():
-    from dlion.aggregation import _tie_coins_at_torch, tie_coins_at
+    from dlion.vote import _tie_coins_at_torch, tie_coins_at
 
     g = torch.Generator().manual_seed(3)
     index = torch.cat([torch.arange(0, 300), torch.randint(0, 2**40, (300,), generator=g),
@@ -180,7 +180,7 @@ def test_tie_coins_equal_the_hash_written_out_on_both_code_paths():
 
 @pytest.mark.parametrize("start, n", [(0, 8), (7000, 4000), (2**32 - 16, 40), (13, 27), (40, 5), (2**37 + 3, 100)])
 def test_coin_bits_are_the_coins_packed(start, n):
-    from dlion.aggregation import coin_bits
+    from dlion.vote import coin_bits
 
     want = [_coin_by_hand(12345, i) > 0 for i in range(start, start + n)]
     assert np.unpackbits(coin_bits(12345, start, n), bitorder="little")[:n].tolist() == want

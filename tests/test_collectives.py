@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 import torch
 
-from dlion.aggregation import VoteRule, coin_key, tie_coins
-from dlion.algorithms import (ALGORITHMS, Contribution, WireState, choose_algorithm, make_algorithm, padded_length,
+from dlion.vote import VoteRule, coin_key, tie_coins
+from dlion.wire import (ALGORITHMS, Contribution, WireState, choose_algorithm, make_algorithm, padded_length,
                               run_compacted, runs_mask,
                               zero_runs)
 from dlion.codec import ALIGN

@@ -207,7 +207,7 @@ def test_dense_1bit_vote_on_cuda_equals_cpu_bitwise(world, ties):
     """Dense SimulatedDistributedLion steps (comm="1bit"): the vote on CUDA payloads runs in torch
     ops on the device (bit-sliced, tie coins there; ties="zero" at even N: base-3 codes), the CPU's
     natively; the same parameters, momenta and tallies."""
-    from dlion.algorithms import OneBit
+    from dlion.wire import OneBit
 
     devices = []
     original = OneBit._vote_packed_torch
@@ -245,8 +245,8 @@ def test_torch_vote_on_cuda_payloads_equals_cpu_vote():
     device."""
     import numpy as np
 
-    from dlion.aggregation import VoteRule, coin_bits, coin_bits_torch
-    from dlion.algorithms import Contribution, OneBit, vote_tally
+    from dlion.vote import VoteRule, coin_bits, coin_bits_torch
+    from dlion.wire import Contribution, OneBit, vote_tally
 
     g = np.random.default_rng(11)
     for case in range(240):

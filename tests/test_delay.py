@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import dlion
-from dlion.aggregation import coin_key, tie_coins
+from dlion.vote import coin_key, tie_coins
 from dlion.lab.spawn import spawn
 from conftest import BETAS, LR, SHAPES, STEPS, WD, grads_for, init_params
 

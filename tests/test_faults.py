@@ -18,7 +18,7 @@ from torch import nn
 import dlion
 from dlion import checkpoint
 from dlion.lab import faults
-from dlion.distributed import DesyncError
+from dlion import DesyncError
 from dlion.lab.spawn import spawn
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,7 +6,8 @@ import torch.distributed as dist
 from torch import nn
 
 import dlion
-from dlion.distributed import DesyncError, momentum_sync_due
+from dlion import DesyncError
+from dlion.base import momentum_sync_due
 from dlion.quantize import levels, quantize, scale_of
 from dlion.lab.spawn import spawn
 from conftest import BETAS, LR, SHAPES, STEPS, WD, grads_for, init_params

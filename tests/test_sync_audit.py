@@ -37,7 +37,7 @@ DENSE_1BIT = {
     "dlion/buckets.py contribute": (1, "bucket·worker",
         "one read of the finiteness flag and the zero count together: the 1-bit header's status "
         "(NONFINITE) and whether zero runs are listed are built on the host"),
-    "dlion/algorithms.py _split": (1, "bucket·worker",
+    "dlion/wire.py _split": (1, "bucket·worker",
         "the received headers come to the host: every rank decides the wire format, the failure "
         "flags and the has-gradient bitmap there"),
     "dlion/collectives.py add_tallies": (1, "bucket",
@@ -50,19 +50,19 @@ LOCAL_INNER = {
 }
 LOCAL_ROUND = {  # one sync round of LocalDistributedLion, N = 2, per rank
     "dlion/local.py _inner_step": (1, "step", LOCAL_INNER["dlion/local.py _inner_step"][2]),
-    "dlion/buckets.py _all_finite": (1, "bucket", "the residual's finiteness, for the header's status"),
-    "dlion/algorithms.py _split": (1, "bucket", DENSE_1BIT["dlion/algorithms.py _split"][2]),
+    "dlion/buckets.py all_finite": (1, "bucket", "the residual's finiteness, for the header's status"),
+    "dlion/wire.py _split": (1, "bucket", DENSE_1BIT["dlion/wire.py _split"][2]),
     "dlion/collectives.py add_tallies": (1, "round", DENSE_1BIT["dlion/collectives.py add_tallies"][2]),
     # the progress A − x has zeros (coordinates whose local steps cancelled): the abstaining 1-bit path,
     # whose zero runs are found and listed on the host (132 syncs for the simulator's abstaining step)
-    "dlion/algorithms.py _has_zeros": (2, "bucket",
+    "dlion/wire.py _has_zeros": (2, "bucket",
         "whether the payload, and the voted codes, have any zero: one bool each"),
-    "dlion/algorithms.py zero_runs": (6, "bucket",
+    "dlion/wire.py zero_runs": (6, "bucket",
         "the zeros' positions (nonzero, twice) and a host-made tensor to the device (new_tensor), "
         "for the payload and for the codes"),
-    "dlion/algorithms.py _zeros_within_parameters": (1, "bucket", "the zero count decides the codes' way back"),
-    "dlion/algorithms.py _headers": (1, "bucket", "the zero runs go to the host-built header"),
-    "dlion/algorithms.py _runs_fit": (3, "bucket",
+    "dlion/wire.py _zeros_within_parameters": (1, "bucket", "the zero count decides the codes' way back"),
+    "dlion/wire.py _headers": (1, "bucket", "the zero runs go to the host-built header"),
+    "dlion/wire.py _runs_fit": (3, "bucket",
         "whether the codes' zero runs fit the header (bincount checks min and max; int())"),
 }
 

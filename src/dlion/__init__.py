@@ -7,7 +7,8 @@ Distributed Lion (Liu et al. 2024, arXiv 2404.00438) with Lion Cub's communicati
 __version__ = "0.2.0"
 
 from .lion import Lion
-from .distributed import DesyncError, DistributedLion
+from .distributed import DistributedLion
+from .replicas import DesyncError
 from .hierarchical import HierarchicalDistributedLion
 from .local import LocalDistributedLion
 from .simulate import SimulatedDistributedLion

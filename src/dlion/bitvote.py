@@ -12,7 +12,7 @@ traffic (``dlion bench codec`` measures it).
 The ``*_torch`` functions are the same on torch tensors of packed bytes (uint8), with torch
 operations only, so that they run on any device without a copy to the host or a host
 synchronisation (their counts are 0-d int64 tensors on the device): the vote of device payloads
-(``algorithms.OneBit``). Every operation there is one pass over c/8 bytes, so they are written to
+(``wire.OneBit``). Every operation there is one pass over c/8 bytes, so they are written to
 need few of them (no copies, the comparison's masks built without constants).
 """
 

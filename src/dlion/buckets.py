@@ -19,8 +19,7 @@ import torch
 from torch import Tensor
 
 from . import kernels
-from .algorithms import Contribution, padded_length
-from .codec import SignCodec
+from .codec import SignCodec, padded_length
 from .quantize import quantize
 
 _SIGN = SignCodec()
@@ -80,7 +79,7 @@ class LeftOut:
     """The parameters of a bucket that the next step leaves out of the payload: those no rank
     had a gradient for in the last step (identical on every rank, since it follows the agreed
     has-gradient bitmaps), and the coordinate ranges of the others, for
-    :func:`dlion.algorithms.run_compacted`."""
+    :func:`dlion.wire.run_compacted`."""
 
     def __init__(self, bucket: Bucket):
         self.bucket = bucket
@@ -259,7 +258,7 @@ def _eager_contribution(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor
         torch.mul(buf.grad, 1.0 - beta1, out=scaled)
     c.add_(scaled)
     # signs off the CPU: the flag stays on the device, for contribute to read with the zero count
-    finite = _finite_flag(c) if quant is None and c.device.type != "cpu" else _all_finite(c)
+    finite = _finite_flag(c) if quant is None and c.device.type != "cpu" else all_finite(c)
     if quant is None:
         out.copy_(torch.sign(c, out=scaled))  # sign(0) = 0: an abstention
     else:
@@ -415,17 +414,17 @@ def apply_signs(b: Bucket, signs: Tensor, active: list[bool], lr: float, weight_
     return True
 
 
-def _all_finite(c: Tensor) -> bool:
+def all_finite(c: Tensor) -> bool:
     """One min/max reduction (NaN propagates, ±inf shows at an end): much cheaper than isfinite().all()."""
     return bool(_finite_flag(c))
 
 
 def _finite_flag(c: Tensor) -> Tensor:
-    """:func:`_all_finite` as a 0-d bool tensor on ``c``'s device (no host synchronisation)."""
+    """:func:`all_finite` as a 0-d bool tensor on ``c``'s device (no host synchronisation)."""
     if not c.numel():
         return torch.ones((), dtype=torch.bool, device=c.device)
     return torch.isfinite(torch.stack(torch.aminmax(c.reshape(-1)))).all()
 
 
 __all__ += ["RankBuffers", "Scratch", "contribute", "fused_applies", "update_momentum", "scale_codes",
-            "apply_scaled_delta", "apply_codes", "apply_signs", "Contribution"]
+            "apply_scaled_delta", "apply_codes", "apply_signs"]

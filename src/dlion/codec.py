@@ -33,6 +33,7 @@ __all__ = [
     "FieldCodec",
     "ALIGN",
     "bits_for",
+    "padded_length",
 ]
 
 #: Every codec's alignment divides this, so chunks of a multiple of ALIGN values
@@ -193,3 +194,9 @@ class FieldCodec:
 
     def __repr__(self) -> str:
         return f"FieldCodec(width={self.width}, lo={self.lo})"
+
+
+def padded_length(numel: int, world: int) -> int:
+    """Bucket length padded so each of the N chunks encodes on its own with every codec."""
+    quantum = ALIGN * world
+    return max(quantum, -(-numel // quantum) * quantum)

@@ -1,6 +1,6 @@
 """Transports: the three collectives D-Lion uses, on a real process group or simulated.
 
-An aggregation algorithm (:mod:`dlion.algorithms`) never calls
+An aggregation algorithm (:mod:`dlion.wire`) never calls
 ``torch.distributed`` itself: it asks a transport for one of three collectives on
 uint8/int32 buffers. Two transports implement them:
 
@@ -78,7 +78,7 @@ class CommStats:
             k[1] += int(round(received))
 
     def add_tallies(self, tallies: list) -> None:
-        """Add vote tallies ([voted, unanimous, tied] tensors, see ``algorithms.vote_tally``)."""
+        """Add vote tallies ([voted, unanimous, tied] tensors, see ``wire.vote_tally``)."""
         if tallies:
             voted, unanimous, tied = torch.stack(tallies).sum(0).tolist()
             self.voted += voted

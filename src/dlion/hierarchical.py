@@ -15,7 +15,7 @@ equal slices; local rank j owns slice j. Per step, per bucket::
     inside the node (fast):  G_a   = (1/L)·Σ_{ranks r of node a} g_r        reduce-scatter: rank j gets slice j
     on rank (a, j):          c     = β1·m_a + (1 − β1)·G_a     on slice j   m_a: node a's momentum, slice j only
                              δ_a   = sign(c)                   (or q = quantize(c) for aggregate="quantized")
-    across nodes (slow):     Δ     = rule(δ_1 … δ_n)           the vote of :mod:`dlion.algorithms` on slice j,
+    across nodes (slow):     Δ     = rule(δ_1 … δ_n)           the vote of :mod:`dlion.wire` on slice j,
                                                                over the group {(1, j), …, (n, j)}: L votes in parallel
     inside the node (fast):  all-gather of the codes of the L slices (int8)
     every rank:              x     ← x·(1 − η·λ) − η·Δ
@@ -30,26 +30,21 @@ node); with one node it is Lion on the mean gradient.
 from __future__ import annotations
 
 import os
-import struct
-import warnings
-import zlib
+from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import kernels
-from .aggregation import VoteRule, coin_key
-from .algorithms import BAD, NONFINITE, Contribution, Outcome, WireState, choose_algorithm, make_algorithm
-from .buckets import (Bucket, RankBuffers, Scratch, apply_scaled_delta, contribute, layout_buckets, rebind_groups,
-                      update_momentum)
+from .base import BucketState, DistributedBase, momentum_sync_due
+from .buckets import Bucket, RankBuffers, Scratch, apply_scaled_delta, contribute, layout_buckets, rebind_groups, \
+    update_momentum
 from .collectives import CommStats, GroupTransport
 from .pipeline import Flight, Pipeline
-from .distributed import (DesyncError, average_momenta, check_options, checksum_table, momentum_sync_due,
-                          raise_if_diverged, reject_unsupported)
-from .lion import Lion, check_grad
-from .quantize import levels
+from .replicas import average_momenta
+from .vote import coin_key
+from .wire import BAD, NONFINITE, Contribution, Outcome
 
 __all__ = ["HierarchicalDistributedLion", "node_mesh"]
 
@@ -101,6 +96,17 @@ class _Slice(Bucket):
         return [flat[o:o + n] for o, n in zip(self.offsets, self.sizes)]
 
 
+@dataclass
+class NodeBucket(BucketState):
+    """A bucket of :class:`HierarchicalDistributedLion`: the shared record (``buffers`` and the
+    algorithm are this rank's slice's), plus the slice, the whole padded bucket (this rank's
+    gradients, then η·Δ) and the reduce-scatter's input (L rows of [slice of the gradients | header])."""
+
+    slice: "_Slice" = None
+    full: Tensor = None
+    send: Tensor = None
+
+
 class _Done:
     """A finished no-op collective (groups of one rank)."""
 
@@ -113,7 +119,7 @@ class _Done:
         return True
 
 
-class HierarchicalDistributedLion(Lion):
+class HierarchicalDistributedLion(DistributedBase):
     """Distributed Lion on a two-level mesh: full-precision gradients inside a node,
     the 1-bit vote between nodes, one momentum per node sharded across its ranks.
 
@@ -155,18 +161,15 @@ class HierarchicalDistributedLion(Lion):
         momentum_dtype: Optional[torch.dtype] = None,
         fused: bool = False,
     ):
-        check_options(comm, aggregate, vote, quant_norm, quant_bits, momentum_sync, bucket_cap_mb,
-                      check_every, nonfinite, None)
         if ties == "previous":
             raise ValueError("ties='previous' is implemented in DistributedLion (and SimulatedDistributedLion) only; "
                              "HierarchicalDistributedLion supports ties='zero' and 'random'.")
-        params = reject_unsupported(params)
-        self._agree_on_kernels = True  # (fused=True: below, on every rank at once)
-        super().__init__(params, lr, betas, weight_decay, maximize=maximize, foreach=foreach,
-                         momentum_dtype=momentum_dtype, fused=fused)
+        super().__init__(params, lr, betas, weight_decay, vote=vote, ties=ties, comm=comm, aggregate=aggregate,
+                         quant_norm=quant_norm, quant_bits=quant_bits, momentum_sync=momentum_sync,
+                         bucket_cap_mb=bucket_cap_mb, seed=seed, check_every=check_every, nonfinite=nonfinite,
+                         sign_hook=None, maximize=maximize, foreach=foreach, momentum_dtype=momentum_dtype,
+                         fused=fused)
         self.fused = bool(fused)
-        kernels_error = kernels.load_error() if any(g.get("fused") for g in self.param_groups) else None
-        self._params = [p for g in self.param_groups for p in g["params"]]
         distributed = dist.is_available() and dist.is_initialized()
         if distributed and mesh is None and dist.get_world_size() > 1:
             dev = self._params[0].device.type if self._params else "cpu"
@@ -187,51 +190,26 @@ class HierarchicalDistributedLion(Lion):
         self.mesh = mesh
         self.world_size = self.num_nodes * self.local_world_size
         self.rank = self.node * self.local_world_size + self.local_rank
-        self.rule = VoteRule(vote, self.num_nodes, ties=ties, seed=seed)
-        self.comm, self.aggregate = comm, aggregate
-        self.quant_norm, self.quant_bits = quant_norm, quant_bits
-        self.quant_levels = levels(quant_bits, self.num_nodes) if aggregate == "quantized" else 0
-        self.momentum_sync, self.seed = momentum_sync, seed
-        self.bucket_cap_mb = list(bucket_cap_mb) if isinstance(bucket_cap_mb, (list, tuple)) else bucket_cap_mb
-        self.check_every, self.nonfinite = check_every, nonfinite
-        self.comm_stats = CommStats()
+        self._groups = [self._node_group, self._local_group]
         self.local_stats = CommStats()
-        #: completed ``step()`` calls, skipped ones included: keys the tie coins and the momentum-sync schedule
-        self.step_count = 0
-        self.skipped_steps = 0
-        self.warn_after_skips = 10
-        self._skips_in_a_row = 0
-        self.num_params = sum(p.numel() for p in self._params if p.requires_grad)
-        self.buckets: list[Bucket] = []
-        self._slices: list[_Slice] = []
-        self._algorithms: list = []
-        self._wire: list[WireState] = []
-        if kernels_error is not None and self.world_size == 1:
-            raise RuntimeError(kernels.fused_error({None: kernels_error}))
+        self._start(voters=self.num_nodes)
         if self.world_size > 1:
-            self._check_same_model(kernels_error)
-            self._broadcast_parameters()
             L = self.local_world_size
             self.buckets = layout_buckets(self._params, [g for g in self.param_groups for _ in g["params"]],
                                           self.world_size, bucket_cap_mb)
-            self._slices = [_Slice(b, self.local_rank, L) for b in self.buckets]
-            self._sbufs = [RankBuffers(s, momentum_dtype) for s in self._slices]   # this rank's slice: momentum, grad, c, δ
-            # whole bucket, padded: this rank's gradients, then η·Δ
-            self._full = [torch.zeros(b.padded, dtype=b.dtype, device=b.device) for b in self.buckets]
-            # the reduce-scatter's input: L rows of [slice of the gradients | header]
-            self._sends = [torch.zeros(L, b.padded // L + self._header_len(b), dtype=b.dtype, device=b.device)
-                           for b in self.buckets]
             self._scratch = Scratch()
-            self._algorithms = [self._algorithm_for(s) for s in self._slices]
-            self._wire = [WireState(up="narrow" if a.name == "pbit" else "runs") for a in self._algorithms]
-            self._trainable = {id(p) for b in self.buckets for p in b.params}
-            self._frozen = [p for p in self._params if not p.requires_grad]
             for b in self.buckets:
+                sl = _Slice(b, self.local_rank, L)
+                algorithm = self._make_algorithm(sl.padded, len(b.params))
+                self._slots.append(NodeBucket(
+                    b, RankBuffers(sl, momentum_dtype), algorithm, self._new_wire(algorithm), slice=sl,
+                    full=torch.zeros(b.padded, dtype=b.dtype, device=b.device),
+                    send=torch.zeros(L, b.padded // L + self._header_len(b), dtype=b.dtype, device=b.device)))
                 for p in b.params:
                     self.state[p]["step"] = torch.tensor(0.0)
             self._inter = GroupTransport(self._node_group, self.comm_stats)
             self._local = GroupTransport(self._local_group, self.local_stats)
-        self._ready = True
+        self._laid_out()
 
     @staticmethod
     def _header_len(b: Bucket) -> int:
@@ -243,100 +221,23 @@ class HierarchicalDistributedLion(Lion):
         """Momentum values held by this rank (its slices of its node's momentum)."""
         if self.world_size == 1:
             return sum(st["exp_avg"].numel() for st in self.state.values() if "exp_avg" in st)
-        return sum(buf.momentum.numel() for buf in self._sbufs)
+        return sum(s.buffers.momentum.numel() for s in self._slots)
 
-    def _algorithm_for(self, s: _Slice):
-        if self.aggregate == "quantized":
-            return make_algorithm("quantized", self.rule, self.quant_levels)
-        k = len(self.buckets[s.index].params)
-        name = choose_algorithm(s.padded, k, self.rule) if self.comm == "auto" else self.comm
-        return make_algorithm(name, self.rule)
+    _STATE_KIND = "hierarchical"
 
-    def add_param_group(self, param_group: dict) -> None:
-        if getattr(self, "_ready", False):
-            raise RuntimeError("HierarchicalDistributedLion lays out its communication buffers at construction; "
-                               "pass every parameter group to the constructor instead of add_param_group().")
-        super().add_param_group(param_group)
+    def _accepts_kind(self, kind: str) -> bool:
+        return kind == "hierarchical" or self.world_size == 1
 
-    # -- construction ---------------------------------------------------------
-    def _config(self) -> tuple:
-        return (self.rule.vote, self.rule.ties, self.seed, self.comm, self.aggregate, self.quant_norm,
-                self.quant_bits, str(self.momentum_sync), self.bucket_cap_mb, self.check_every, self.nonfinite,
-                str(self.momentum_dtype))
-
-    def _gather_everyone(self, obj) -> list:
-        """``obj`` of every rank, in mesh order (node-major), identical on every rank: gathered
-        inside the node, then the node's list across nodes (two small object all-gathers)."""
-        node: list = [None] * self.local_world_size
-        dist.all_gather_object(node, obj, group=self._local_group)
-        nodes: list = [None] * self.num_nodes
-        dist.all_gather_object(nodes, node, group=self._node_group)
-        return [x for n in nodes for x in n]
-
-    def _check_same_model(self, kernels_error: Optional[str] = None) -> None:
-        """The model and the options, the same on every rank; with ``fused=True``, the native
-        kernels loaded on every rank (``kernels_error``: why not here), or the same error on all."""
-        mine = [(tuple(p.shape), str(p.dtype).replace("torch.", ""), bool(p.requires_grad)) for p in self._params]
-        everyone = self._gather_everyone((mine, self._config(), kernels_error))
-        failed = {r: e for r, (_, _, e) in enumerate(everyone) if e is not None}
-        if failed:
-            raise RuntimeError(kernels.fused_error(failed))
-        everyone = [(m, cfg) for m, cfg, _ in everyone]
-        ref, ref_cfg = everyone[0]
-        for r, (theirs, cfg) in enumerate(everyone[1:], start=1):
-            if theirs != ref:
-                i = next((i for i, (a, b) in enumerate(zip(ref, theirs)) if a != b), min(len(ref), len(theirs)))
-                raise ValueError(
-                    f"HierarchicalDistributedLion: ranks disagree on the model at parameter {i}: rank {r} has "
-                    f"{theirs[i] if i < len(theirs) else 'nothing'}, rank 0 has {ref[i] if i < len(ref) else 'nothing'} "
-                    "(shape, dtype, requires_grad).")
-            if cfg != ref_cfg:
-                names = ("vote", "ties", "seed", "comm", "aggregate", "quant_norm", "quant_bits", "momentum_sync",
-                         "bucket_cap_mb", "check_every", "nonfinite", "momentum_dtype")
-                diff = [f"{n}={x!r} on rank {r}, {y!r} on rank 0" for n, x, y in zip(names, cfg, ref_cfg) if x != y]
-                raise ValueError("HierarchicalDistributedLion: ranks disagree on the optimizer's options: "
-                                 + "; ".join(diff))
-
-    @torch.no_grad()
-    def _broadcast_parameters(self) -> None:
-        """Every rank starts from rank (node 0, local 0)'s parameters: across nodes, then inside the node."""
-        groups: dict = {}
-        for p in self._params:
-            groups.setdefault((p.device, p.dtype), []).append(p)
-        for ps in groups.values():
-            flat = torch.cat([p.detach().reshape(-1) for p in ps])
-            for g in (self._node_group, self._local_group):
-                if dist.get_world_size(g) > 1:
-                    dist.broadcast(flat, src=dist.get_global_rank(g, 0), group=g)
-            off = 0
-            for p in ps:
-                p.copy_(flat[off:off + p.numel()].view_as(p))
-                off += p.numel()
-
-    def bucket_layout(self) -> list[Optional[tuple[int, int, int]]]:
-        """(bucket index, offset, padded bucket length) of every parameter (None for frozen ones).
-        Local rank j owns coordinates [j·S, (j+1)·S) of a bucket, S = padded/L; the tie coin of
-        coordinate x is ``tie_coins(coin_key(seed, step, bucket·L + x // S), x % S)``."""
-        where: dict = {}
-        for b in self.buckets:
-            for i, off in zip(b.indices, b.offsets):
-                where[i] = (b.index, off, b.padded)
-        return [where.get(i) for i in range(len(self._params))]
-
-    @property
-    def algorithm_names(self) -> list[str]:
-        """The collective algorithm of each bucket slice among the nodes; empty with a single node."""
-        return [a.name for a in self._algorithms]
+    def _all_gather_rows(self, row: Tensor) -> Tensor:
+        """Inside the node, then the node's rows across nodes (mesh order is rank order)."""
+        work, node = self._local.issue("all_gather", row, "check") if self.local_world_size > 1 else (_Done, row)
+        work.wait()
+        work, everyone = self._inter.issue("all_gather", node, "check") if self.num_nodes > 1 else (_Done, node)
+        work.wait()
+        return everyone
 
     # -- the step ---------------------------------------------------------------
     _step_supports_amp_scaling = True
-
-    @staticmethod
-    def _digest(group: dict) -> int:
-        b1, b2 = group["betas"]
-        raw = struct.pack("<dddd?", float(group["lr"]), float(b1), float(b2), float(group["weight_decay"]),
-                          bool(group["maximize"]))
-        return zlib.crc32(raw) & 0x7FFFFFFF
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler=None):
@@ -356,16 +257,16 @@ class HierarchicalDistributedLion(Lion):
             error = self._fill_send(k)
             errors.append(error)
             if L == 1:
-                scatters.append((_Done, self._sends[k].view(-1)))
+                scatters.append((_Done, self._slots[k].send.view(-1)))
             else:
-                scatters.append(self._local.issue("reduce_scatter", self._sends[k].view(-1), "grad_reduce_scatter"))
+                scatters.append(self._local.issue("reduce_scatter", self._slots[k].send.view(-1), "grad_reduce_scatter"))
         # 2. per bucket in order: the node's Lion direction on my slice, then the vote's first collective
         flights, presents = [], []
         for k, (work, recv) in enumerate(scatters):
             work.wait()
             contrib, present = self._contribute(k, recv, step_no, errors[k] is not None)
             presents.append(present)
-            gen = self._algorithms[k].run(self._wire[k], contrib, self.node,
+            gen = self._slots[k].algorithm.run(self._slots[k].wire, contrib, self.node,
                                           coin_key(self.seed, step_no, k * L + self.local_rank))
             flights.append(Flight(gen, self._inter))
         # 3. across nodes: the later collectives of each vote, in slot order (dlion.pipeline)
@@ -388,15 +289,10 @@ class HierarchicalDistributedLion(Lion):
     def _fill_send(self, k: int) -> Optional[Exception]:
         """This rank's reduce-scatter input for bucket k: per slice, its gradients (0 where it has
         none) followed by the header (has-gradient per parameter, bad-gradient flag, digest bits)."""
-        b, send = self.buckets[k], self._sends[k]
+        b, send = self.buckets[k], self._slots[k].send
         L, S = self.local_world_size, b.padded // self.local_world_size
-        error = None
-        for i, p in zip(b.indices, b.params):
-            try:
-                check_grad(i, p)
-            except ValueError as e:
-                error = error or e
-        G = self._full[k]
+        error = self._grad_error(b)
+        G = self._slots[k].full
         present = [p.grad is not None and error is None for p in b.params]
         views = b.views(G)
         if all(present):
@@ -419,7 +315,7 @@ class HierarchicalDistributedLion(Lion):
 
     def _contribute(self, k: int, recv: Tensor, step: int, own_error: bool) -> tuple[Contribution, list[bool]]:
         """The node's Lion direction on this rank's slice of bucket k, from the reduced slice ``recv``."""
-        b, s, sbuf = self.buckets[k], self._slices[k], self._sbufs[k]
+        b, s, sbuf = self.buckets[k], self._slots[k].slice, self._slots[k].buffers
         L, S, kp = self.local_world_size, s.padded, len(b.params)
         head = recv[S:].tolist()
         node_has = [h > 0 for h in head[:kp]]
@@ -450,7 +346,7 @@ class HierarchicalDistributedLion(Lion):
 
     def _pack(self, k: int, o: Outcome) -> Tensor:
         """This slice's codes (int8; int16 beyond 127 nodes) and the vote's flags, for the all-gather."""
-        S = self._slices[k].padded
+        S = self._slots[k].slice.padded
         dtype = torch.int8 if self.num_nodes <= 127 else torch.int16
         flags = (_FLAG_BAD if o.bad else 0) | (_FLAG_NONFINITE if o.nonfinite else 0) | \
             (0 if o.digests_agree else _FLAG_DIGEST)
@@ -461,15 +357,8 @@ class HierarchicalDistributedLion(Lion):
         return out
 
     def _count_step(self) -> None:
-        self.step_count += 1
-        self.comm_stats.steps += 1
+        super()._count_step()
         self.local_stats.steps += 1
-
-    def _local_step(self, closure):
-        """World size 1: exactly :class:`dlion.Lion`'s step, counted."""
-        loss = Lion.step(self, closure)
-        self._count_step()
-        return loss
 
     def _finish(self, step_no: int, flights: list, rows: list, presents: list, errors: list) -> None:
         self.comm_stats.wait_s += sum(f.waited for f in flights)
@@ -478,29 +367,10 @@ class HierarchicalDistributedLion(Lion):
         flags = 0
         for r in rows:
             flags |= _or_all(r[:, -1])
-        own = next((e for e in errors if e is not None), None)
-        if own is not None:
-            raise own
-        if flags & _FLAG_BAD:
-            raise RuntimeError("HierarchicalDistributedLion: another rank rejected its gradients (its error says "
-                               "why); no rank changed any parameter or momentum.")
-        if flags & _FLAG_DIGEST:
-            raise ValueError(
-                f"HierarchicalDistributedLion: ranks disagree on lr, betas, weight_decay or maximize at step "
-                f"{step_no} (e.g. an LR scheduler stepped on one rank only); no rank changed anything.")
-        if flags & _FLAG_NONFINITE:
-            if self.nonfinite == "raise":
-                raise FloatingPointError(f"HierarchicalDistributedLion: a node has inf/NaN gradients at step "
-                                         f"{step_no}; no rank changed anything.")
-            self.skipped_steps += 1
-            self._count_step()
-            self._skips_in_a_row += 1
-            if self._skips_in_a_row == self.warn_after_skips:
-                warnings.warn(f"HierarchicalDistributedLion: {self._skips_in_a_row} steps in a row skipped because "
-                              "some rank had inf/NaN gradients; training is not progressing.", RuntimeWarning,
-                              stacklevel=3)
+        if self._skips(step_no, own_error=next((e for e in errors if e is not None), None),
+                       bad=bool(flags & _FLAG_BAD), digests_agree=not flags & _FLAG_DIGEST,
+                       nonfinite=bool(flags & _FLAG_NONFINITE)):
             return
-        self._skips_in_a_row = 0
         for k, (b, f, r) in enumerate(zip(self.buckets, flights, rows)):
             self._apply(k, b, f.outcome, r, presents[k])
         self._count_step()
@@ -513,7 +383,7 @@ class HierarchicalDistributedLion(Lion):
         group = b.group
         active = o.has_grad.tolist()
         if any(active):
-            update = self._full[k][:b.numel]
+            update = self._slots[k].full[:b.numel]
             update.copy_(rows[:, :-1].reshape(-1)[:b.numel])
             if self.rule.vote == "avg":
                 update.div_(self.num_nodes)
@@ -526,15 +396,8 @@ class HierarchicalDistributedLion(Lion):
                 if a:
                     self.state[p]["step"] += 1
         if any(present):
-            update_momentum(self._slices[k], self._sbufs[k], present, group["betas"][1], self._scratch,
+            update_momentum(self._slots[k].slice, self._slots[k].buffers, present, group["betas"][1], self._scratch,
                             fused=self.fused)
-
-    def _check_frozen(self) -> None:
-        for p in self._frozen:
-            if p.grad is not None and id(p) not in self._trainable:
-                raise RuntimeError(
-                    f"HierarchicalDistributedLion: a parameter of shape {tuple(p.shape)} has a gradient but had "
-                    "requires_grad=False when the optimizer was built; build the optimizer after unfreezing it.")
 
     # -- Lion Cub extras ---------------------------------------------------------
     @torch.no_grad()
@@ -543,80 +406,51 @@ class HierarchicalDistributedLion(Lion):
         the nodes (L all-reduces in parallel, one per local rank)."""
         if self.world_size == 1 or self.num_nodes == 1:
             return
-        average_momenta(self._sbufs, self._inter, self.num_nodes)
-
-    @torch.no_grad()
-    def check_replicas(self) -> None:
-        """Raise :class:`dlion.DesyncError` unless every parameter is bitwise identical on all ranks."""
-        if self.world_size == 1:
-            return
-        mine = checksum_table(self._params)
-        work, node = self._local.issue("all_gather", mine, "check") if self.local_world_size > 1 else (_Done, mine)
-        work.wait()
-        work, everyone = self._inter.issue("all_gather", node, "check") if self.num_nodes > 1 else (_Done, node)
-        work.wait()
-        raise_if_diverged(everyone, self._params, self.world_size, "HierarchicalDistributedLion", self.step_count)
+        average_momenta([s.buffers for s in self._slots], self._inter, self.num_nodes)
 
     # -- checkpointing ----------------------------------------------------------
-    def state_dict(self) -> dict:
-        sd = super().state_dict()
-        sd["dlion"] = {"step_count": self.step_count, "comm_stats": self.comm_stats.state_dict(), "local_stats": self.local_stats.state_dict(),
-                       "world_size": self.world_size, "rank": self.rank, "vote": self.rule.vote,
-                       "ties": self.rule.ties, "seed": self.seed, "aggregate": self.aggregate,
-                       "skipped_steps": self.skipped_steps, "wire": [(w.up, w.down) for w in self._wire],
-                       "hierarchical": {
-                           "nodes": self.num_nodes, "local_world_size": self.local_world_size, "node": self.node,
-                           "local_rank": self.local_rank, "padded": [b.padded for b in self.buckets],
-                           # this rank's slice of its node's momentum, per bucket
-                           "momentum": [buf.momentum.clone() for buf in getattr(self, "_sbufs", [])]}}
-        return sd
+    def _record(self) -> dict:
+        return {**super()._record(), "local_stats": self.local_stats.state_dict(),
+                "hierarchical": {
+                    "nodes": self.num_nodes, "local_world_size": self.local_world_size, "node": self.node,
+                    "local_rank": self.local_rank, "padded": [b.padded for b in self.buckets],
+                    # this rank's slice of its node's momentum, per bucket
+                    "momentum": [s.buffers.momentum.clone() for s in self._slots]}}
 
-    def check_state_dict(self, state_dict: dict) -> None:
-        """Raise ``ValueError`` if this rank cannot load ``state_dict`` (saved by a flat optimizer, or
-        on another mesh or by another rank of it); :func:`dlion.checkpoint.load` calls this before it
-        changes anything."""
-        hier = (state_dict.get("dlion") or {}).get("hierarchical")
-        if self.world_size > 1:
-            if hier is None:
-                raise ValueError(
-                    "HierarchicalDistributedLion cannot load this state: it was saved by a flat optimizer "
-                    "(dlion.DistributedLion or dlion.Lion), which keeps one momentum per rank; the hierarchical "
-                    "optimizer keeps one momentum per node, sharded across the node's ranks. Resume with the "
-                    "optimizer that saved it, or start the hierarchical optimizer's momenta afresh.")
-            mine = (self.num_nodes, self.local_world_size, self.node, self.local_rank)
-            theirs = (hier["nodes"], hier["local_world_size"], hier["node"], hier["local_rank"])
-            if mine != theirs or list(hier["padded"]) != [b.padded for b in self.buckets]:
-                raise ValueError(
-                    f"HierarchicalDistributedLion: this state was saved on a {theirs[0]} × {theirs[1]} mesh by rank "
-                    f"(node {theirs[2]}, local {theirs[3]}); this rank is (node {mine[2]}, local {mine[3]}) of a "
-                    f"{mine[0]} × {mine[1]} mesh with {'the same' if mine[:2] == theirs[:2] else 'another'} layout. "
-                    "Momentum shards cannot be re-cut: resume on the same mesh, each rank loading its own state.")
+    def _check_position(self, extra: dict, from_rank: str) -> None:
+        """The state of this very position of the mesh, on the same mesh and layout (``from_rank`` does not
+        apply: momentum shards cannot be re-cut or moved between positions)."""
+        if self.world_size == 1:
+            return
+        hier = extra["hierarchical"]
+        mine = (self.num_nodes, self.local_world_size, self.node, self.local_rank)
+        theirs = (hier["nodes"], hier["local_world_size"], hier["node"], hier["local_rank"])
+        if mine != theirs or list(hier["padded"]) != [b.padded for b in self.buckets]:
+            raise ValueError(
+                f"HierarchicalDistributedLion: this state was saved on a {theirs[0]} × {theirs[1]} mesh by rank "
+                f"(node {theirs[2]}, local {theirs[3]}); this rank is (node {mine[2]}, local {mine[3]}) of a "
+                f"{mine[0]} × {mine[1]} mesh with {'the same' if mine[:2] == theirs[:2] else 'another'} layout. "
+                "Momentum shards cannot be re-cut: resume on the same mesh, each rank loading its own state.")
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.check_state_dict(state_dict)
+    def load_state_dict(self, state_dict: dict, *, from_rank: str = "own") -> None:
+        self.check_state_dict(state_dict, from_rank=from_rank)
         extra = state_dict.get("dlion")
         hier = (extra or {}).get("hierarchical")
         sd = dict(state_dict)
         sd.pop("dlion", None)
         super().load_state_dict(sd)
-        rebind_groups([*self.buckets, *self._slices], self.param_groups)
+        rebind_groups([*self.buckets, *(s.slice for s in self._slots)], self.param_groups)
         for b in self.buckets:
             for p in b.params:
                 st = self.state[p]
                 st["step"] = torch.as_tensor(st.get("step", 0.0), dtype=torch.float32).clone()
         if hier is not None:
-            for buf, m in zip(getattr(self, "_sbufs", []), hier["momentum"]):
-                buf.momentum.copy_(m)
+            for s, m in zip(self._slots, hier["momentum"]):
+                s.buffers.momentum.copy_(m)
         if extra is not None:
-            self.comm_stats.load_state_dict(extra["comm_stats"])
-            self.step_count = int(extra.get("step_count", self.comm_stats.steps))
+            self._load_record(extra)
             if "local_stats" in extra:
                 self.local_stats.load_state_dict(extra["local_stats"])
-            self.skipped_steps = int(extra.get("skipped_steps", 0))
-            wire = extra.get("wire") or []
-            if len(wire) == len(self._wire):
-                for w, (up, down) in zip(self._wire, wire):
-                    w.up, w.down = up, down
 
 
 def _or_all(t: Tensor) -> int:

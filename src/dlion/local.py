@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .buckets import Bucket, _all_finite, apply_codes
-from .distributed import DistributedLion, _Step, checksum_table, raise_if_diverged
+from .buckets import Bucket, all_finite, apply_codes
+from .distributed import DistributedLion, _InFlight, _Step
 from .lion import Lion, check_grad
 from .quantize import quantize
 
@@ -135,8 +135,14 @@ class LocalDistributedLion(DistributedLion):
                 self.state[p]["progress_in_flight"] = dv
 
     # -- what differs from every-step D-Lion ----------------------------------------
-    def _config(self) -> tuple:
-        return super()._config() + (self.sync_every, self.outer_scale, self.error_feedback, self.streaming)
+    _STATE_KIND = "local"
+
+    def _options(self) -> dict:
+        return {**super()._options(), "sync_every": self.sync_every, "outer_scale": self.outer_scale,
+                "error_feedback": self.error_feedback, "streaming": self.streaming}
+
+    def _accepts_kind(self, kind: str) -> bool:
+        return kind == "local" or (kind == "flat" and self.world_size == 1)  # (one rank saves no round state)
 
     def _count_step(self) -> None:
         """The sync does not count a step: every local step already did (:meth:`_tick`)."""
@@ -162,7 +168,7 @@ class LocalDistributedLion(DistributedLion):
     def _local_values(self, k: int) -> tuple[Tensor, list[bool], bool]:
         """s = sign(e + A − x) (or Lion Cub's q of it) for the parameters this rank touched; e + A − x
         is kept in the bucket's gradient buffer until the outcome is applied (a failed sync changes nothing)."""
-        b, buf = self.buckets[k], self._buffers[k]
+        b, buf = self.buckets[k], self._slots[k].buffers
         present = list(self._touched[k])
         values = buf.values
         values.zero_()
@@ -173,7 +179,7 @@ class LocalDistributedLion(DistributedLion):
             self._progress[k].copy_(c)  # (its own progress, replaced by the agreed step one round later)
         if self.error_feedback:
             c.add_(self._error[k])
-        finite = _all_finite(c) and not self._round_nonfinite
+        finite = all_finite(c) and not self._round_nonfinite
         out = values[:b.numel]
         if self.aggregate == "quantized":
             for j, (o, n) in enumerate(zip(b.offsets, b.sizes)):
@@ -195,13 +201,13 @@ class LocalDistributedLion(DistributedLion):
             starts = b.views(origin[k])
             if b.low_precision:
                 xs, starts = [x.float() for x in xs], [a.float() for a in starts]
-            views = self._buffers[k].grad_views
+            views = self._slots[k].buffers.grad_views
             torch._foreach_copy_(views, starts)
             torch._foreach_sub_(views, xs)
 
     def _update_residual(self, k: int, present: list[bool]) -> None:
         """e ← c − mean(|c|)·sign(c) per parameter this rank took part with (c = e + d)."""
-        b, buf = self.buckets[k], self._buffers[k]
+        b, buf = self.buckets[k], self._slots[k].buffers
         if not self.error_feedback:
             return
         for j, ok in enumerate(present):
@@ -212,7 +218,7 @@ class LocalDistributedLion(DistributedLion):
     def _apply(self, k: int, b: Bucket, o, present: list[bool]) -> None:
         """x ← A − α·S·Δ on the parameters some rank touched (A elsewhere: x = A there already on
         every rank but this one's untouched, unchanged ones), A ← x, and this rank's new residual."""
-        buf, group = self._buffers[k], b.group
+        buf, group = self._slots[k].buffers, b.group
         ps = [p.detach() for p in b.params]
         if self.streaming:  # keep what this rank did since the round in flight ended: s ← x − A + d
             rest = b.views(self._start[k])
@@ -333,7 +339,7 @@ class LocalDistributedLion(DistributedLion):
         finally:
             self._step = None
             self._reset_round()
-        self._in_flight = (self.step_count, st, None)
+        self._in_flight = _InFlight(self.step_count, st)
 
     def _finish(self, step_no, st, outcomes) -> None:
         if any(o.nonfinite for o in outcomes) and self.nonfinite == "raise":
@@ -391,18 +397,9 @@ class LocalDistributedLion(DistributedLion):
                 for b, xs in zip(self.buckets, saved):
                     torch._foreach_copy_([p.detach() for p in b.params], xs)
 
-    @torch.no_grad()
-    def check_replicas(self) -> None:
-        """Raise :class:`dlion.DesyncError` unless the anchor is bitwise identical on every rank
-        (the local parameters differ between syncs by design)."""
-        if self.world_size == 1:
-            return
-        with self.anchored():
-            structure = self._structure()
-            work, everyone = self._first.issue("all_gather", checksum_table(self._params, structure), "check")
-            work.wait()
-            raise_if_diverged(everyone, self._params, self.world_size, "LocalDistributedLion", self.step_count,
-                              structure)
+    def _replica_view(self):
+        """The replica check compares the anchor (the local parameters differ between syncs by design)."""
+        return self.anchored()
 
     def state_dict(self) -> dict:
         sd = super().state_dict()
@@ -425,10 +422,8 @@ class LocalDistributedLion(DistributedLion):
         continues the round from the merged local parameters)."""
         if self.world_size == 1:
             return super().load_state_dict(state_dict, from_rank=from_rank)
-        extra = state_dict.get("dlion") or {}
-        if "local" not in extra:
-            raise ValueError("LocalDistributedLion cannot load this state: it was not saved by a "
-                             "LocalDistributedLion (no anchor, residuals or round state).")
+        self.check_state_dict(state_dict, from_rank=from_rank)  # (before reading it)
+        extra = state_dict["dlion"]
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         saved = {}  # before torch.optim casts them to the parameter's dtype
         for p, pid in zip(self._params, ids):

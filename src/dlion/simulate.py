@@ -3,7 +3,7 @@
 Parameters are identical on every worker, so one copy is kept; each logical
 worker has its own momentum and feeds its own gradients. Each step runs the
 same code as :class:`dlion.DistributedLion` — the bucket layout and Lion math of
-:mod:`dlion.buckets`, the algorithm objects of :mod:`dlion.algorithms` (wire
+:mod:`dlion.buckets`, the algorithm objects of :mod:`dlion.wire` (wire
 formats, votes, format switches) — with the collectives replaced by
 :func:`dlion.collectives.simulate_collective`, so for the same gradients it gives
 bitwise the same parameters as N real ranks, and ``comm_stats`` counts exactly
@@ -17,11 +17,11 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .aggregation import VoteRule, coin_key
-from .algorithms import Contribution, WireState, choose_algorithm, make_algorithm, run_compacted
+from .vote import VoteRule, coin_key
+from .wire import Contribution, WireState, choose_algorithm, make_algorithm, run_compacted
 from .buckets import LeftOut, RankBuffers, Scratch, apply_codes, contribute, layout_buckets, update_momentum
 from .collectives import CommStats, simulate_collective
-from .distributed import check_options, momentum_sync_due
+from .base import check_options, momentum_sync_due
 from .lion import check_hyperparameters, check_momentum_dtype, check_params
 from .quantize import levels
 

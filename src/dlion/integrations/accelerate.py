@@ -58,7 +58,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from ..distributed import DistributedLion, order_warning_silenced
+from ..base import order_warning_silenced
+from ..distributed import DistributedLion
 from ._common import (CommMeter, check_version, load_rank_state, require_dlion, require_method, save_rank_state,
                       unwrap_optimizer)
 

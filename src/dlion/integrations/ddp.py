@@ -58,11 +58,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import kernels
-from ..aggregation import VoteRule, coin_key
-from ..algorithms import Contribution, WireState, make_algorithm, padded_length
+from ..vote import VoteRule, coin_key
+from ..wire import Contribution, WireState, make_algorithm, padded_length
 from ..collectives import CommStats, GroupTransport
-from ..distributed import NONFINITE_POLICIES
-from ..lion import check_hyperparameters, check_momentum_dtype
+from ..base import NONFINITE_POLICIES
+from ..lion import check_hyperparameters, check_momentum_dtype, lion_momentum_update, lion_presign
 
 __all__ = ["DLionHookState", "dlion_hook", "ApplyDelta", "per_bucket_groups"]
 
@@ -216,7 +216,7 @@ def _eager_contribution(state: DLionHookState, grad: Tensor, params: list, n: in
     with torch.no_grad():
         g = grad.float()
         m = torch.cat([state._momentum(p).reshape(-1) for p in params]).float() if params else g.new_zeros(0)
-        c = torch.mul(m, beta1).add_(torch.mul(g, 1.0 - beta1))
+        c = lion_presign([m], [g], beta1, foreach=False)[0]  # (the Lion rule's own pre-sign, same roundings)
         finite = bool(torch.isfinite(torch.stack(torch.aminmax(c))).all()) if n else True
         values = torch.zeros(padded_length(n, state.world), dtype=torch.int8, device=grad.device)
         values[:n].copy_(torch.sign(c))
@@ -242,7 +242,7 @@ def _update_momenta(state: DLionHookState, grad: Tensor, params: list, n: int) -
             return
         g = grad.float()
         m = torch.cat([state._momentum(p).reshape(-1) for p in params]).float()
-        m.mul_(beta2).add_(torch.mul(g, 1.0 - beta2))
+        lion_momentum_update([m], [g], beta2, foreach=False)
         off = 0
         for p in params:  # the new momenta back into their per-parameter homes
             k = p.numel()

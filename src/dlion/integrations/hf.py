@@ -59,7 +59,8 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.training_args import ParallelMode
 
-from ..distributed import DistributedLion, order_warning_silenced
+from ..base import order_warning_silenced
+from ..distributed import DistributedLion
 from ._common import (CommMeter, anchored, check_version, load_rank_state, rank_state_exists_everywhere, require_dlion,
                       require_method, save_rank_state)
 

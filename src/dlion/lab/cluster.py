@@ -225,6 +225,15 @@ def parse_rate(link: Union[str, int, float, None]) -> Optional[int]:
     return bps or None
 
 
+def rate_key(link: str) -> float:
+    """A link label as a sort key: its rate in bit/s (unshaped and unknown labels last)."""
+    try:
+        rate = parse_rate(link)
+    except ValueError:
+        return float("inf")
+    return float("inf") if rate is None else float(rate)
+
+
 def format_rate(bps: Optional[int]) -> str:
     """Bits/s as tc writes them, in the largest unit that divides exactly."""
     if bps is None:

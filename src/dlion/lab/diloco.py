@@ -182,7 +182,7 @@ class DiLoCo:
     @torch.no_grad()
     def check_replicas(self) -> None:
         """Raise :class:`dlion.DesyncError` unless θ is bitwise identical on every rank."""
-        from dlion.distributed import checksum_table, raise_if_diverged
+        from dlion.replicas import checksum_table, raise_if_diverged
 
         s = self.diloco
         world = dist.get_world_size(s.group)

@@ -26,8 +26,8 @@ import time
 
 import torch
 
-from dlion.aggregation import VoteRule
-from dlion.algorithms import Contribution, WireState, make_algorithm, padded_length
+from dlion.vote import VoteRule
+from dlion.wire import Contribution, WireState, make_algorithm, padded_length
 from dlion.buckets import (RankBuffers, Scratch, apply_codes, apply_signs, contribute, layout_buckets,
                            update_momentum)
 from dlion.collectives import simulate_collective

@@ -26,8 +26,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from dlion.aggregation import VoteRule
-from dlion.algorithms import ALGORITHMS, Contribution, WireState, make_algorithm, padded_length
+from dlion.vote import VoteRule
+from dlion.wire import ALGORITHMS, Contribution, WireState, make_algorithm, padded_length
 from dlion.collectives import CommStats, GroupTransport
 from dlion.pipeline import Flight
 from dlion.lab.bench.codec import parse_count

@@ -35,9 +35,9 @@ from .launch import env_worker, report_failure, run_cluster
 
 _COLLECTIVES = ("all_to_all_single", "all_gather_into_tensor", "all_gather_single", "all_reduce")
 #: the library's functions whose CPU time the report lists (cumulative: callees included)
-_SHOWN = ("distributed.step", "buckets.contribute", "algorithms.run", "aggregation.decide", "aggregation.tie_coins_at",
-          "algorithms.vote_tally", "algorithms._count", "codec.encode", "codec.decode", "buckets.apply_codes",
-          "buckets.update_momentum", "buckets._all_finite")
+_SHOWN = ("distributed.step", "buckets.contribute", "wire.run", "vote.decide", "vote.tie_coins_at",
+          "wire.vote_tally", "wire.count_votes", "codec.encode", "codec.decode", "buckets.apply_codes",
+          "buckets.update_momentum", "buckets.all_finite")
 
 
 class _Recorder:

@@ -45,6 +45,10 @@ from typing import Callable, Optional
 
 import torch
 
+from dlion.lab.cluster import rate_key
+
+from .e2e.methods import takes_ties
+
 DEFAULT_METHODS = ("g-lion,g-adamw,g-lion-bf16,g-lion-powersgd1,g-lion-powersgd2,g-lion-powersgd4,"
                    "g-adamw-powersgd1,g-adamw-powersgd2,g-adamw-powersgd4,d-mavo-1bit-ov,d-avg-1bit-ov,"
                    "d-mavo-quant-ov")
@@ -335,12 +339,6 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _takes_ties(method: str) -> bool:
-    """Whether ``method`` ties as ``--ties`` says (D-Lion without -rt / -pt, and the DDP hook)."""
-    parts = method.split("-")
-    return (method.startswith(("d-", "h-")) and not {"rt", "pt"} & set(parts[3:])) or method.startswith("ddp-dlion")
-
-
 def _step_times(path: str, cfg: dict, workers: int) -> tuple[dict, str]:
     """(method -> {link: ms per step}, "mean" or "median") from an e2e result, refusing one of
     another workload. The mean where the result has it (a run's time is the sum of its steps)."""
@@ -348,7 +346,7 @@ def _step_times(path: str, cfg: dict, workers: int) -> tuple[dict, str]:
         doc = json.load(f)
     other = doc["config"]
     # --ties matters only to the methods that take it (not to -rt / -pt methods, nor to DDP's)
-    ties_matter = any(_takes_ties(m) for m in cfg.get("methods", ()))
+    ties_matter = any(takes_ties(m) for m in cfg.get("methods", ()))
     diff = [k for k in MODEL_KEYS if k in other and other[k] != cfg[k] and (k != "ties" or ties_matter)]
     if diff or doc["workers"] != workers:
         raise SystemExit(f"dlion bench ttq: {path} was measured with another workload "
@@ -526,7 +524,7 @@ def main(argv: list[str]) -> int:
                                                               else "is not a method"))
         curves[method] = curves[source]
         borrowed[method] = source
-    links = sorted({k for m in step_ms.values() for k in m}, key=_rate_key)
+    links = sorted({k for m in step_ms.values() for k in m}, key=rate_key)
     comp = compose(curves, step_ms, target=args.target)
     comp["target_is_reference"] = args.target is None
     doc = {"benchmark": "dlion bench ttq", "config": cfg, "workers": args.workers, "curves": curves,
@@ -574,15 +572,6 @@ def _params_from(path: Optional[str]) -> int:
         return 0
     with open(path) as f:
         return int(json.load(f)["results"][0]["params"])
-
-
-def _rate_key(link: str) -> float:
-    from dlion.lab.cluster import parse_rate
-
-    try:
-        return float(parse_rate(link))
-    except ValueError:
-        return float("inf")
 
 
 def _check(args, cfg: dict, step_ms: dict) -> dict:

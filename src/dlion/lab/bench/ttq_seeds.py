@@ -21,7 +21,9 @@ import os
 import statistics
 from typing import Optional
 
-from .ttq import _rate_key, _takes_ties
+from dlion.lab.cluster import rate_key
+
+from .e2e.methods import takes_ties
 
 #: what the runs must share (besides the seed and the lr) to be compared
 SHARED = ("n_layer", "n_embd", "n_head", "block_size", "batch_size", "bucket_mb", "weight_decay", "betas",
@@ -42,7 +44,7 @@ def summarize(docs: list[dict]) -> dict:
     ref = docs[0] if docs else None
 
     def ties_matter(doc: dict) -> bool:  # --ties is a setting of the methods that take it, not of the workload
-        return any(_takes_ties(m) for m in doc["config"].get("methods", doc["composed"]["methods"]))
+        return any(takes_ties(m) for m in doc["config"].get("methods", doc["composed"]["methods"]))
 
     for d in docs[1:]:
         diff = [k for k in SHARED if _setting(d, k) != _setting(ref, k)
@@ -71,7 +73,7 @@ def summarize(docs: list[dict]) -> dict:
     if len(seeds) < 2:
         raise ValueError("give ttq_results.json files of at least two seeds")
     links = sorted({k for d in docs for r in d["composed"]["methods"].values() for k in r["time_to_target_s"]},
-                   key=_rate_key)
+                   key=rate_key)
     out = {"target_loss": ref["composed"]["target_loss"], "seeds": seeds, "links": links, "methods": {},
            "first": {}, "compute_speedup": ref.get("compute_speedup")}
     for m, per_seed in rows_of.items():

@@ -87,6 +87,12 @@ FIRST_BUCKET_MB = 2.0  # -fb methods: on CharGPT the one block-5 MLP matrix, lik
 PROFILE_RANGES = ("dlion.contribute", "dlion.exchange", "dlion.apply")
 
 
+def takes_ties(method: str) -> bool:
+    """Whether ``method`` ties as ``--ties`` says (D-Lion without -rt / -pt, and the DDP hook)."""
+    parts = method.split("-")
+    return (method.startswith(("d-", "h-")) and not {"rt", "pt"} & set(parts[3:])) or method.startswith("ddp-dlion")
+
+
 def label(method: str) -> str:
     if method in LABELS:
         return LABELS[method]
@@ -198,8 +204,7 @@ def _dlion_class():
         """Every rank builds the model from the same seed, so rank 0's parameter broadcast
         (seconds of set-up on a slow link) is skipped; check_replicas() verifies it."""
 
-        def _broadcast_parameters(self) -> None:
-            pass
+        broadcast_at_start = False
 
     return SeededDistributedLion
 
@@ -222,8 +227,7 @@ def _hier_class():
     class SeededHierarchicalDistributedLion(HierarchicalDistributedLion):
         """As SeededDistributedLion: the model is built from the same seed everywhere."""
 
-        def _broadcast_parameters(self) -> None:
-            pass
+        broadcast_at_start = False
 
     return SeededHierarchicalDistributedLion
 
@@ -239,14 +243,13 @@ def _local_class():
             self.settled_bytes: dict = {}  # issuing step -> (bytes sent, received) once that round completed
             super().__init__(*args, **kwargs)
 
-        def _broadcast_parameters(self) -> None:
-            pass
+        broadcast_at_start = False
 
-        def _settle(self) -> None:
-            pending = self._in_flight is not None and self._in_flight[2] is None
-            super()._settle()
-            if pending:
-                self.settled_bytes[self._in_flight[0]] = (self.comm_stats.bytes_sent, self.comm_stats.bytes_received)
+        def settle(self) -> None:
+            pending = self.in_flight_step
+            super().settle()
+            if pending is not None:
+                self.settled_bytes[pending] = (self.comm_stats.bytes_sent, self.comm_stats.bytes_received)
 
     return SeededLocalDistributedLion
 
@@ -372,16 +375,15 @@ class MethodRun:
                 # the warm-up's last exchange completes here (its bytes before the window), and the wait
                 # counts in this step: every measured step then waits for exactly one exchange
                 t = time.perf_counter()
-                self.opt._settle()
+                self.opt.settle()
                 first_wait = time.perf_counter() - t
             stats = getattr(self.opt, "comm_stats", None) or getattr(getattr(self, "hook_state", None), "comm_stats", None)
             self._start = ((stats.bytes_sent, stats.bytes_received) if stats is not None else None, dict(self.tally))
             local = getattr(self.opt, "local_stats", None)
             self._local_start = local.bytes_sent if local is not None else 0
-            flight = getattr(self.opt, "_in_flight", None) if self.method in LOCAL else None
+            self._start_after = self.opt.in_flight_step if self.method in LOCAL else None
             # streaming: a round issued before the window may still be on the wire; the window's bytes
-            # start where it completes (SeededLocalDistributedLion._settle), untimed and unchanged
-            self._start_after = flight[0] if flight is not None and flight[2] is None else None
+            # start where it completes (SeededLocalDistributedLion.settle), untimed and unchanged
         if measure:
             self.uplink_before_step()
         inst.count = self.is_ddp
@@ -431,7 +433,7 @@ class MethodRun:
         streaming local method's round in flight completes (untimed: the window's first round end
         waited for the one issued before it) and is applied (``flush``: nothing left in flight)."""
         if (applies_next_step(self.method) or self.method in LOCAL) and self._start is not None:
-            self.opt._settle()
+            self.opt.settle()
             stats = self.opt.comm_stats
             self._end = (stats.bytes_sent, stats.bytes_received)
             if self.method in LOCAL:

@@ -54,10 +54,10 @@ import torch
 from torch import Tensor
 
 from . import kernels
-from .aggregation import VoteRule
+from .vote import VoteRule
 from .bitvote import (compare_count, compare_count_torch, count_planes, count_planes_torch, equals_all_torch,
                       pack_bits_torch, popcount_prefix, popcount_prefix_torch, unpack_bits_torch)
-from .codec import ALIGN, FieldCodec, SignCodec, TritCodec, bits_for
+from .codec import FieldCodec, SignCodec, TritCodec, bits_for, padded_length
 from .collectives import bytes_moved, field_width, pack_fields, unpack_fields
 
 __all__ = ["Contribution", "Outcome", "WireState", "Algorithm", "OneBit", "AllGather", "PBit", "Quantized",
@@ -400,7 +400,7 @@ class Algorithm:
             return rule.result_codec(False)  # ±1 as 1 bit, or base-3 when an even N can tie
         return _TRIT if fmt == "ternary" else None
 
-    def _count(self, payloads: Tensor, fmt: str, senders: int, width: int, runs_hdr: Optional[Tensor],
+    def count_votes(self, payloads: Tensor, fmt: str, senders: int, width: int, runs_hdr: Optional[Tensor],
                capacity: int, lo: int, numel: int, abstains: bool) -> tuple[Tensor, Tensor]:
         """(s, nz) over ``senders`` payloads of ``width`` coordinates (the coordinates lo … lo+width−1)."""
         if fmt == "ternary":
@@ -581,7 +581,7 @@ class OneBit(Algorithm):
             mine, out.tally = self._vote_packed_torch(payloads[:, :c // 8], c, numel - lo, key, lo, contrib,
                                                       codes=True)
         else:
-            s, nz = self._count(payloads[:, :codec.nbytes(c)], fmt, N, c, _runs_table(hdrs, k, fmt, info), cap, lo,
+            s, nz = self.count_votes(payloads[:, :codec.nbytes(c)], fmt, N, c, _runs_table(hdrs, k, fmt, info), cap, lo,
                                 numel, info["abstains"])
             mine = self.rule.decide(s, nz, key=key, start=lo, index=contrib.index(lo, c),
                                      previous=contrib.previous)
@@ -786,7 +786,7 @@ class AllGather(Algorithm):
         out = contrib.flags_known(_outcome(info))
         if out.failed:
             return out
-        s, nz = self._count(payloads[:, :codec.nbytes(n)], fmt, N, n, _runs_table(hdrs, k, fmt, info), cap, 0,
+        s, nz = self.count_votes(payloads[:, :codec.nbytes(n)], fmt, N, n, _runs_table(hdrs, k, fmt, info), cap, 0,
                             numel, info["abstains"])
         out.codes = self.rule.decide(s, nz, key=key, start=0, index=contrib.index(0, n),
                                      previous=contrib.previous)
@@ -970,10 +970,3 @@ def choose_algorithm(n: int, k: int, rule: VoteRule) -> str:
     for a padded bucket of n coordinates and k parameters (deterministic: identical on all ranks)."""
     algs = {name: cls(rule) for name, cls in ALGORITHMS.items()}
     return min(algs, key=lambda a: (algs[a].estimated_bytes(n, k) + algs[a].calls * LATENCY_BYTES, algs[a].calls))
-
-
-def padded_length(numel: int, world: int) -> int:
-    """Bucket length padded so each of the N chunks encodes on its own with every codec."""
-    quantum = ALIGN * world
-    return max(quantum, -(-numel // quantum) * quantum)
-
