@@ -13,6 +13,7 @@ have no momentum and do not count in ``num_params``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -149,14 +150,6 @@ class RankBuffers:
         self.grad_views = b.views(self.grad)
         self.momentum_views = b.views(self.momentum)
         self.work_views = b.views(self.work)
-        #: The gradients the last :func:`contribute` read in place (``borrow=True``) and the sign
-        #: it gave them, for :func:`update_momentum`; None when they were copied into ``grad``.
-        self.borrowed: Optional[tuple[list[Optional[Tensor]], float]] = None
-        #: ``fused=True``: the last :func:`contribute`'s 1-bit payload (packed bits of values > 0) and
-        #: how many of its values are 0, computed in the same pass as the signs; also the signs of
-        #: tensors off the CPU (their zero count read with the finiteness check); None otherwise.
-        self.packed: Optional[Tensor] = None
-        self.zeros: Optional[int] = None
         #: ``ties="previous"``: the codes of the last applied step (int8, the padded bucket), else None
         self.last_vote: Optional[Tensor] = None
         self.last_vote_views: list[Tensor] = []
@@ -164,6 +157,25 @@ class RankBuffers:
     def keep_last_vote(self, b: Bucket) -> None:
         self.last_vote = torch.zeros(b.padded, dtype=torch.int8, device=b.device)
         self.last_vote_views = b.views(self.last_vote)
+
+
+@dataclass
+class Contributed:
+    """What :func:`contribute` produced for one bucket on this rank."""
+
+    #: the int8 values (``buf.values``: δ, or Lion Cub's q), 0 for parameters without a gradient
+    values: Tensor
+    #: per parameter: had this rank a gradient for it
+    present: list
+    #: were all of c's values finite
+    finite: bool
+    #: ``fused=True`` (or signs off the CPU): the 1-bit payload (packed bits of values > 0) and how many
+    #: values are 0, computed in the same pass as the signs; None otherwise
+    packed: Optional[Tensor] = None
+    zeros: Optional[int] = None
+    #: ``borrow=True``: the gradients read in place and the sign given them, for :func:`update_momentum`
+    #: (hold it only until then: it keeps the gradients alive); None when they were copied into ``buf.grad``
+    borrowed: Optional[tuple] = None
 
 
 class Scratch:
@@ -183,28 +195,28 @@ class Scratch:
 
 def contribute(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], scratch: Scratch, *, beta1: float,
                maximize: bool, quant: Optional[tuple[int, str]] = None,
-               borrow: bool = False, fused: bool = False) -> tuple[Tensor, list[bool], bool]:
+               borrow: bool = False, fused: bool = False) -> Contributed:
     """This rank's int8 contribution for bucket ``b`` from its gradients (None = no gradient):
     c = β1·m + (1 − β1)·g per coordinate; δ = sign(c) (or q = quantize(c) per parameter with
     ``quant = (levels, norm)``); coordinates of parameters without a gradient abstain (0).
-    Returns (values, has_grad per parameter, all c finite). Momentum is left untouched.
+    Returns a :class:`Contributed`. Momentum is left untouched.
 
     ``borrow=True`` promises that ``grads`` stay as they are until :func:`update_momentum`:
-    (1 − β1)·g is then written straight from them, one pass over the bucket fewer than copying
-    them into ``buf.grad`` first (the same roundings: a product rounded once either way, and
+    (1 − β1)·g is then written straight from them (``Contributed.borrowed`` hands them to
+    :func:`update_momentum`), one pass over the bucket fewer than copying them into ``buf.grad`` first (the same roundings: a product rounded once either way, and
     negation for ``maximize`` is exact). Low-precision gradients (cast to fp32 on the copy) and
     buckets of many tiny parameters (a per-parameter operation would cost more) copy anyway.
 
     ``fused=True`` (:func:`fused_applies`): c, its sign and the finiteness check are one native
     loop over the whole bucket (:mod:`dlion.kernels`), the same roundings, reading the
     gradients where they are under the same ``borrow`` rules (copied into ``buf.grad`` first
-    otherwise), and the 1-bit payload is packed in the same pass (``buf.packed``, ``buf.zeros``)."""
+    otherwise), and the 1-bit payload is packed in the same pass (``packed``, ``zeros``)."""
     present = [g is not None for g in grads]
     values = buf.values
-    buf.borrowed = buf.packed = buf.zeros = None
+    packed = zeros = borrowed = None
     if not any(present):
         values.zero_()
-        return values, present, True
+        return Contributed(values, present, True)
     partial = not all(present)
     out = values[:b.numel]
     if fused and quant is None and fused_applies(buf):
@@ -212,7 +224,7 @@ def contribute(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], scrat
             js = [j for j, ok in enumerate(present) if ok]
             sign = -1.0 if maximize else 1.0  # (negating the product instead of g: exact either way)
             ms, gs, offs = [buf.momentum_views[j] for j in js], [grads[j] for j in js], [b.offsets[j] for j in js]
-            buf.borrowed = (grads, sign)
+            borrowed = (grads, sign)
         else:
             _copy_grads(buf, grads, present)
             if maximize:
@@ -221,10 +233,9 @@ def contribute(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], scrat
             ms, gs, offs = [buf.momentum[lo:hi] for lo, hi in spans], [buf.grad[lo:hi] for lo, hi in spans], \
                 [lo for lo, _ in spans]
         # the signs, 0 for parameters without a gradient and the padding, and the 1-bit payload
-        finite, buf.packed, buf.zeros = kernels.sign_and_pack(ms, gs, offs, beta1, sign * (1.0 - beta1), values,
-                                                              b.numel)
+        finite, packed, zeros = kernels.sign_and_pack(ms, gs, offs, beta1, sign * (1.0 - beta1), values, b.numel)
     else:
-        finite = _eager_contribution(b, buf, grads, present, scratch, beta1, maximize, quant, borrow, out)
+        finite, borrowed = _eager_contribution(b, buf, grads, present, scratch, beta1, maximize, quant, borrow, out)
     if partial:
         for j, ok in enumerate(present):
             if not ok:
@@ -232,15 +243,16 @@ def contribute(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], scrat
     if isinstance(finite, Tensor):  # (signs off the CPU) one host read for the flag and the zero count, which
         # the 1-bit header needs (OneBit.run takes it with the payload instead of its own check for zeros)
         finite, nonzero = torch.stack([finite.to(torch.int64), torch.count_nonzero(out)]).tolist()
-        buf.packed, buf.zeros = _SIGN.encode(values), b.numel - nonzero
-    return values, present, bool(finite)
+        packed, zeros = _SIGN.encode(values), b.numel - nonzero
+    return Contributed(values, present, bool(finite), packed, zeros, borrowed)
 
 
 def _eager_contribution(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], present: list[bool],
                         scratch: Scratch, beta1: float, maximize: bool, quant: Optional[tuple[int, str]],
-                        borrow: bool, out: Tensor) -> bool:
+                        borrow: bool, out: Tensor) -> tuple:
     """:func:`contribute`'s c and its sign (or quantisation) into ``out`` as tensor operations;
-    whether every c is finite."""
+    (whether every c is finite, the borrowed gradients and their sign or None)."""
+    borrowed = None
     sign = -1.0 if maximize else 1.0
     # c = β1·m + (1 − β1)·g, each product rounded on its own (the literal rule), without allocations
     if buf.momentum.dtype == buf.work.dtype:
@@ -250,7 +262,7 @@ def _eager_contribution(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor
     scaled = scratch.get(c)
     if borrow and _borrowable(b, grads):
         _scaled_grads(b, grads, sign * (1.0 - beta1), scaled)
-        buf.borrowed = (grads, sign)
+        borrowed = (grads, sign)
     else:
         _copy_grads(buf, grads, present)
         if maximize:
@@ -266,7 +278,7 @@ def _eager_contribution(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor
         for j, (o, n) in enumerate(zip(b.offsets, b.sizes)):
             if present[j]:
                 out[o:o + n].copy_(quantize(c[o:o + n], levels, norm))
-    return finite
+    return finite, borrowed
 
 
 def fused_applies(buf: RankBuffers) -> bool:
@@ -300,16 +312,15 @@ def _scaled_grads(b: Bucket, grads: list[Optional[Tensor]], factor: float, out: 
 
 
 def update_momentum(b: Bucket, buf: RankBuffers, present: list[bool], beta2: float, scratch: Scratch, *,
-                    fused: bool = False) -> None:
+                    fused: bool = False, borrowed: Optional[tuple] = None) -> None:
     """m ← β2·m + (1 − β2)·g on the coordinates of parameters this rank had gradients for, g as the
-    last :func:`contribute` read it (borrowed or copied). A momentum stored narrower than the work
+    last :func:`contribute` read it (``borrowed``: its ``Contributed.borrowed``; else ``buf.grad``). A momentum stored narrower than the work
     dtype is updated in the work dtype (in ``buf.work``, free once Δ is applied) and rounded once,
     to nearest, on the way back. ``fused=True``: one native loop over the bucket (the same roundings)."""
     spans = [(0, b.numel)] if all(present) else b.ranges(present)
     if fused and fused_applies(buf):
-        if buf.borrowed is not None:
-            grads, sign = buf.borrowed
-            buf.borrowed = None
+        if borrowed is not None:
+            grads, sign = borrowed
             js = [j for j, ok in enumerate(present) if ok and grads[j] is not None]
             kernels.momentum_update_([buf.momentum_views[j] for j in js], [grads[j] for j in js], beta2,
                                      sign * (1.0 - beta2))
@@ -319,9 +330,8 @@ def update_momentum(b: Bucket, buf: RankBuffers, present: list[bool], beta2: flo
         return
     narrow = buf.momentum.dtype != buf.work.dtype
     scaled = scratch.get(buf.work)
-    if buf.borrowed is not None:
-        grads, sign = buf.borrowed
-        buf.borrowed = None  # (holding them would keep the gradients alive past zero_grad)
+    if borrowed is not None:
+        grads, sign = borrowed
         _scaled_grads(b, grads, sign * (1.0 - beta2), scaled)
     else:
         for lo, hi in spans:
@@ -426,5 +436,5 @@ def _finite_flag(c: Tensor) -> Tensor:
     return torch.isfinite(torch.stack(torch.aminmax(c.reshape(-1)))).all()
 
 
-__all__ += ["RankBuffers", "Scratch", "contribute", "fused_applies", "update_momentum", "scale_codes",
+__all__ += ["RankBuffers", "Contributed", "Scratch", "contribute", "fused_applies", "update_momentum", "scale_codes",
             "apply_scaled_delta", "apply_codes", "apply_signs"]

@@ -53,7 +53,7 @@ from torch.distributed.algorithms.join import Join, JoinHook, Joinable
 from torch.profiler import record_function
 
 from .base import BucketState, DistributedBase, momentum_sync_due
-from .buckets import (Bucket, LeftOut, RankBuffers, Scratch, apply_codes, apply_signs, contribute, layout_buckets,
+from .buckets import (Bucket, Contributed, LeftOut, RankBuffers, Scratch, apply_codes, apply_signs, contribute, layout_buckets,
                       rebind_groups, update_momentum)
 from .collectives import GroupTransport
 from .pipeline import Flight, Pipeline
@@ -94,6 +94,9 @@ class _Step:
         self.present: list = [None] * len(opt.buckets)
         self.finite = [False] * len(opt.buckets)  # this rank's gradients of bucket k were all finite
         self.errors: list = [None] * len(opt.buckets)
+        #: per bucket: the gradients its contribution read in place, for the momentum update (dropped
+        #: with the step, so a skipped or failed step holds no reference to them)
+        self.borrowed: list = [None] * len(opt.buckets)
         self.pending = [set(range(len(b.params))) for b in opt.buckets]
         self.seen: set = set()
         self.issued = 0    # buckets 0 … issued−1 have their first collective in flight
@@ -112,6 +115,7 @@ class _Settled:
 
     def __init__(self, buckets: int, present: list):
         self.present, self.errors, self.applied = present, [None] * buckets, 0
+        self.borrowed = [None] * buckets
 
 
 class _ShadowSteps(JoinHook):
@@ -297,9 +301,10 @@ class DistributedLion(DistributedBase, Joinable):
         return everyone
 
     # -- step 1: this rank's contribution -----------------------------------------
-    def _local_values(self, k: int) -> tuple[Tensor, list[bool], bool]:
+    def _local_values(self, k: int) -> Contributed:
         """This rank's int8 values for bucket k (δ = sign(β1·m + (1 − β1)·g), or Lion Cub's q), which
-        parameters take part, and whether every value was finite: what a subclass changes to vote
+        parameters take part, whether every value was finite, and what the momentum update will read
+        (:class:`dlion.buckets.Contributed`): what a subclass changes to vote
         on something else (:class:`dlion.LocalDistributedLion` votes on its local progress)."""
         b, buf, group = self.buckets[k], self._slots[k].buffers, self.buckets[k].group
         quant = (self.quant_levels, self.quant_norm) if self.aggregate == "quantized" else None
@@ -314,8 +319,13 @@ class DistributedLion(DistributedBase, Joinable):
         b, buf = self.buckets[k], self._slots[k].buffers
         status, error = 0, self._input_error(k)
         group = b.group
+        packed = zeros = None
         if error is None:
-            values, present, finite = self._local_values(k)
+            made = self._local_values(k)
+            values, present, finite = made.values, made.present, made.finite
+            self._step.borrowed[k] = made.borrowed
+            if self.sign_hook is None:  # (a hook changes the values: no payload of contribute's then)
+                packed, zeros = made.packed, made.zeros
             if not finite:
                 status |= NONFINITE
             self._step.finite[k] = finite
@@ -330,10 +340,11 @@ class DistributedLion(DistributedBase, Joinable):
             status |= BAD
         self._step.present[k] = present
         self._step.errors[k] = error
-        packed = buf.packed if error is None and self.sign_hook is None else None  # (a hook changes the values)
+        if error is not None:
+            packed = zeros = None
         return Contribution(buf.values, b.numel, torch.tensor(present, dtype=torch.bool), status,
                             self._digest(group), sizes=b.sizes, on_flags=functools.partial(self._step.read_flags, k),
-                            previous=buf.last_vote, packed=packed, zeros=buf.zeros if packed is not None else None)
+                            previous=buf.last_vote, packed=packed, zeros=zeros)
 
     def _issue_ready(self, step_no: int) -> None:
         """Start, in bucket order, every bucket whose gradients are all there."""
@@ -432,12 +443,8 @@ class DistributedLion(DistributedBase, Joinable):
             outcomes = st.pipeline.finish(progress=lambda: self._apply_finished(st))
         self.comm_stats.wait_s += st.pipeline.blocked
         self._step = None
-        try:
-            with record_function("dlion.apply"):
-                self._finish(step_no, st, outcomes)
-        finally:
-            for s in self._slots:  # a skipped or failed step leaves no reference to this step's gradients
-                s.buffers.borrowed = None
+        with record_function("dlion.apply"):
+            self._finish(step_no, st, outcomes)
 
     def _delayed_step(self, loss):
         """delay=1: apply the step in flight (its exchange ran during this forward and backward),
@@ -455,11 +462,10 @@ class DistributedLion(DistributedBase, Joinable):
                 for k, (b, buf) in enumerate((s.bucket, s.buffers) for s in self._slots):
                     if any(st.present[k]):
                         update_momentum(b, buf, st.present[k], b.group["betas"][1], self._scratch,
-                                        fused=b.group.get("fused", False))
+                                        fused=b.group.get("fused", False), borrowed=st.borrowed[k])
         finally:
             self._step = None
-            for s in self._slots:  # (a rank with non-finite gradients did not consume them)
-                s.buffers.borrowed = None
+            st.borrowed = [None] * len(self.buckets)  # (the step stays in flight: it must not hold the gradients)
         self._in_flight = _InFlight(step_no, st)
         return loss
 
@@ -551,7 +557,7 @@ class DistributedLion(DistributedBase, Joinable):
         while st.applied < len(flights) and flights[st.applied].outcome is not None:
             k = st.applied
             with record_function("dlion.apply"):
-                self._apply(k, self.buckets[k], flights[k].outcome, st.present[k])
+                self._apply(k, self.buckets[k], flights[k].outcome, st.present[k], st.borrowed[k])
             st.applied += 1
 
     def _scaled_step(self, closure, scaler):
@@ -598,7 +604,7 @@ class DistributedLion(DistributedBase, Joinable):
                        nonfinite_ranks=[r for o in outcomes for r in o.ranks_nonfinite]):
             return
         for k in range(st.applied, len(self.buckets)):
-            self._apply(k, self.buckets[k], outcomes[k], st.present[k])
+            self._apply(k, self.buckets[k], outcomes[k], st.present[k], st.borrowed[k])
         self._count_step()
         if step_no == 0:
             self._warn_if_gradients_identical()
@@ -607,7 +613,7 @@ class DistributedLion(DistributedBase, Joinable):
         if self.check_every and self.step_count % self.check_every == 0:
             self.check_replicas()
 
-    def _apply(self, k: int, b: Bucket, o: Outcome, present: list[bool]) -> None:
+    def _apply(self, k: int, b: Bucket, o: Outcome, present: list[bool], borrowed: Optional[tuple] = None) -> None:
         """x ← x·(1 − η·λ) − η·Δ for the parameters some rank had a gradient for (two multi-tensor
         operations, :func:`dlion.buckets.apply_codes`), then this rank's momentum update."""
         group = b.group
@@ -628,7 +634,7 @@ class DistributedLion(DistributedBase, Joinable):
                 last.zero_()
         if any(present) and not self.delay:  # (delay=1: updated when contributed)
             update_momentum(b, self._slots[k].buffers, present, group["betas"][1], self._scratch,
-                            fused=group.get("fused", False))
+                            fused=group.get("fused", False), borrowed=borrowed)
 
     def _warn_if_gradients_identical(self) -> None:
         """After the first step: gradients bitwise equal on every rank mean that something
@@ -662,8 +668,6 @@ class DistributedLion(DistributedBase, Joinable):
         self._issue_ready(self.step_count)
         self._step.pipeline.finish()
         self._step = None
-        for s in self._slots:
-            s.buffers.borrowed = None
 
     # -- Lion Cub extras ---------------------------------------------------------
     @torch.no_grad()

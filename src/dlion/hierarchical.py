@@ -329,7 +329,7 @@ class HierarchicalDistributedLion(DistributedBase):
         present = [node_has[i] for i in s.owner]
         if status & BAD:
             sbuf.values.zero_()
-            sbuf.packed = sbuf.zeros = None  # (no stale payload of an earlier step)
+            packed = zeros = None
             present = [False] * len(present)
         else:
             mean = recv[:S]
@@ -337,12 +337,13 @@ class HierarchicalDistributedLion(DistributedBase):
                 mean.div_(L)
             quant = (self.quant_levels, self.quant_norm) if self.aggregate == "quantized" else None
             grads = [v if ok else None for v, ok in zip(s.views(mean), present)]
-            _, present, finite = contribute(s, sbuf, grads, self._scratch, beta1=group["betas"][0],
-                                            maximize=group["maximize"], quant=quant, fused=self.fused)
+            made = contribute(s, sbuf, grads, self._scratch, beta1=group["betas"][0], maximize=group["maximize"],
+                              quant=quant, fused=self.fused)  # (the reduced slice is ours: nothing borrowed)
+            present, finite, packed, zeros = made.present, made.finite, made.packed, made.zeros
             if not finite:
                 status |= NONFINITE
         return Contribution(sbuf.values, s.numel, torch.tensor(node_has, dtype=torch.bool), status, digest,
-                            packed=sbuf.packed, zeros=sbuf.zeros), present
+                            packed=packed, zeros=zeros), present
 
     def _pack(self, k: int, o: Outcome) -> Tensor:
         """This slice's codes (int8; int16 beyond 127 nodes) and the vote's flags, for the all-gather."""

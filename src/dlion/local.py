@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .buckets import Bucket, all_finite, apply_codes
+from .buckets import Bucket, Contributed, all_finite, apply_codes
 from .distributed import DistributedLion, _InFlight, _Step
 from .lion import Lion, check_grad
 from .quantize import quantize
@@ -165,7 +165,7 @@ class LocalDistributedLion(DistributedLion):
     def _input_error(self, k: int) -> Optional[Exception]:
         return self._round_error
 
-    def _local_values(self, k: int) -> tuple[Tensor, list[bool], bool]:
+    def _local_values(self, k: int) -> Contributed:
         """s = sign(e + A − x) (or Lion Cub's q of it) for the parameters this rank touched; e + A − x
         is kept in the bucket's gradient buffer until the outcome is applied (a failed sync changes nothing)."""
         b, buf = self.buckets[k], self._slots[k].buffers
@@ -173,7 +173,7 @@ class LocalDistributedLion(DistributedLion):
         values = buf.values
         values.zero_()
         if not any(present):
-            return values, present, True
+            return Contributed(values, present, True)
         c = buf.grad  # this round's progress d (written by _measure_progress), then e + d
         if self.streaming:
             self._progress[k].copy_(c)  # (its own progress, replaced by the agreed step one round later)
@@ -192,7 +192,7 @@ class LocalDistributedLion(DistributedLion):
                 out[b.offsets[j]:b.offsets[j] + b.sizes[j]].zero_()
         if self.streaming:  # the residual now: c is overwritten by the next round before Δ is back
             self._update_residual(k, present)
-        return values, present, finite
+        return Contributed(values, present, finite)
 
     def _measure_progress(self, origin: list[Tensor]) -> None:
         """d = origin − x per bucket, in the work dtype, into each bucket's gradient buffer."""
@@ -215,7 +215,7 @@ class LocalDistributedLion(DistributedLion):
                 c = buf.grad_views[j]
                 b.views(self._error[k])[j].copy_(c - c.abs().mean() * torch.sign(c))
 
-    def _apply(self, k: int, b: Bucket, o, present: list[bool]) -> None:
+    def _apply(self, k: int, b: Bucket, o, present: list[bool], borrowed=None) -> None:
         """x ← A − α·S·Δ on the parameters some rank touched (A elsewhere: x = A there already on
         every rank but this one's untouched, unchanged ones), A ← x, and this rank's new residual."""
         buf, group = self._slots[k].buffers, b.group

@@ -107,25 +107,27 @@ class SimulatedDistributedLion:
         quant = (self.quant_levels, self.quant_norm) if self.aggregate == "quantized" else None
         results = []
         for kb, b in enumerate(self.buckets):
-            gens, present = [], []
+            gens, present, borrowed = [], [], [None] * N
             for i in range(N):
                 buf = self.buffers[i][kb]
-                values, has, _ = contribute(b, buf, [grads[i][k] for k in b.indices], self.scratch, beta1=self.betas[0],
-                                            maximize=False, quant=quant, borrow=True)
+                made = contribute(b, buf, [grads[i][k] for k in b.indices], self.scratch, beta1=self.betas[0],
+                                  maximize=False, quant=quant, borrow=True)
+                values, has = made.values, made.present
+                borrowed[i] = made.borrowed
                 if self.sign_hooks[i] is not None:
                     values[:b.numel] = self.sign_hooks[i](step, values[:b.numel].clone())
                 present.append(has)
                 own = self.sign_hooks[i] is None  # (a hook changes the values: no payload of contribute's then)
                 contrib = Contribution(values, b.numel, torch.tensor(has, dtype=torch.bool), 0, 0, sizes=b.sizes,
-                                       previous=self.last_votes[kb], packed=buf.packed if own else None,
-                                       zeros=buf.zeros if own else None)
+                                       previous=self.last_votes[kb], packed=made.packed if own else None,
+                                       zeros=made.zeros if own else None)
                 gens.append(run_compacted(self.algorithms[kb], self.wire[kb][i], contrib, i,
                                           coin_key(self.seed, step, kb), self.left_out[kb].skip,
                                           self.left_out[kb].kept))
             outcome = _lockstep(gens, self.comm_stats)
             self.left_out[kb].update(outcome.has_grad)
-            results.append((outcome, present))
-        for kb, (b, (outcome, present)) in enumerate(zip(self.buckets, results)):
+            results.append((outcome, present, borrowed))
+        for kb, (b, (outcome, present, borrowed)) in enumerate(zip(self.buckets, results)):
             active = outcome.has_grad.tolist()
             if any(active):
                 apply_codes(b, outcome.codes, active, self.updates[kb], self.update_views[kb], self.lr,
@@ -137,7 +139,8 @@ class SimulatedDistributedLion:
                 last.zero_()
             for i in range(N):
                 if any(present[i]):
-                    update_momentum(b, self.buffers[i][kb], present[i], self.betas[1], self.scratch)
+                    update_momentum(b, self.buffers[i][kb], present[i], self.betas[1], self.scratch,
+                                    borrowed=borrowed[i])
         self.step_count += 1
         self.comm_stats.steps += 1
         if step == 0:  # DistributedLion's one-time check for identical gradients: 16 bytes per bucket and rank

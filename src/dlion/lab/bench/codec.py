@@ -84,13 +84,13 @@ def run(n: int, world: int, vote: str, comm: str, repeat: int, device: str, fuse
         previous = torch.randint(0, 2, (b.padded,), generator=g, dtype=torch.int8) * 2 - 1
         previous[torch.rand(b.padded, generator=g) < 0.1] = 0
         previous = previous.to(device)
-    contribs = []
+    contribs, borrowed = [], None
     for r in range(world):
-        values, present, _ = contribute(b, bufs[r], [grads[r]], scratch, beta1=0.9, maximize=False, borrow=True,
-                                        fused=fused)
+        made = contribute(b, bufs[r], [grads[r]], scratch, beta1=0.9, maximize=False, borrow=True, fused=fused)
+        borrowed = made.borrowed if r == 0 else borrowed
         # (with --fused, contribute packed the 1-bit payload on the way, as DistributedLion hands it over)
-        contribs.append(Contribution(values.clone(), b.numel, torch.tensor(present), previous=previous,
-                                     packed=bufs[r].packed, zeros=bufs[r].zeros))
+        contribs.append(Contribution(made.values.clone(), b.numel, torch.tensor(made.present), previous=previous,
+                                     packed=made.packed, zeros=made.zeros))
     inside = [0.0]
 
     def exchange():
@@ -125,7 +125,7 @@ def run(n: int, world: int, vote: str, comm: str, repeat: int, device: str, fuse
         if not (fused and outcome.signs is not None and apply_signs(b, outcome.signs, [True], 1e-4, 0.1)):
             apply_codes(b, outcome.codes, [True], bufs[0].work, bufs[0].work_views, 1e-4, 0.1,
                         world if vote == "avg" else 1, fused=fused)
-        update_momentum(b, bufs[0], [True], 0.99, scratch, fused=fused)
+        update_momentum(b, bufs[0], [True], 0.99, scratch, fused=fused, borrowed=borrowed)
 
     t = {
         "lion step": timed(opt.step),
