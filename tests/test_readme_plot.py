@@ -62,3 +62,21 @@ def test_curves_are_median_and_range_of_the_raw_curves(doc):
         assert (point["min"], point["max"]) == (min(losses), max(losses))
         assert point["seconds"] == pytest.approx(point["step"] * row["step_ms"] / 1e3)
     assert row["step_ms"] == pytest.approx(567.0, abs=0.1)  # e2e-peers-ov: the mean step at 50 Mbit/s
+
+
+def test_step_times_across_runs_read_the_e2e_means():
+    if not os.path.isdir(os.path.join(RESULTS, "e2e-peers-ov")):
+        pytest.skip("the committed results are not in this checkout")
+    rows = readme_plot.across_runs(RESULTS)
+    with open(os.path.join(RESULTS, "e2e-native", "e2e_results.json")) as f:
+        native = {(r["method"], r["link"]): r["ms_mean"] for r in json.load(f)["results"]}
+    row = next(r for r in rows if (r["run"], r["link"]) == ("e2e-native", "50mbit"))
+    want_d = min(native[(m, "50mbit")] for m in readme_plot.DLION_STEP if (m, "50mbit") in native)
+    want_r1 = min(v for (m, link), v in native.items() if link == "50mbit" and "powersgd1" in m)
+    assert row["dlion"]["mean_ms"] == want_d and row["powersgd1"]["mean_ms"] == want_r1
+    assert row["dlion_over_powersgd1"] == pytest.approx(want_d / want_r1)
+    # what the docs say: at 50 Mbit/s PowerSGD rank 1's step is the shorter in 7 of the 8 runs,
+    # D-Lion's shorter than PowerSGD rank 4's in every run that has rank 4
+    at50 = [r for r in rows if r["link"] == "50mbit"]
+    assert len(at50) == 8 and sum(r["dlion_over_powersgd1"] > 1 for r in at50) == 7
+    assert all(r["dlion_over_powersgd4"] < 1 for r in at50 if r["dlion_over_powersgd4"] is not None)

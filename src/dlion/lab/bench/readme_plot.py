@@ -12,7 +12,11 @@ writes to ``--out``:
   the time to the target loss per seed and its **mean** over the seeds that reached it with the
   min and max (the statistic of ``dlion bench ttq --across``, whose code computes it), and the
   plotted curve (step, seconds, median, min, max, seeds);
-* ``readme_ttq.csv``: the plotted points, one row per (panel, method, step).
+* ``readme_ttq.csv``: the plotted points, one row per (panel, method, step);
+* ``step_times_across_runs.json`` / ``.txt``: D-Lion's step against PowerSGD rank 1's and
+  rank 4's in every ``--fused`` e2e run since the packed vote with both (``RUNS``), per link
+  rate: the mean step of each (D-Lion: the faster of overlapped and one bucket; PowerSGD:
+  the faster of Lion and AdamW, one bucket and overlapped), and the ratio D-Lion ÷ PowerSGD.
 
     python -m dlion.lab.bench.readme_plot --out docs/results/readme
 
@@ -46,6 +50,12 @@ PANELS = (
         ("diloco-adamw", "DiLoCo AdamW, H = 10", "ttq-local-x16/diloco-seed{}/ttq_results.json", range(1)),
     ]),
 )
+#: the `--fused` e2e runs (6 MB buckets, every optimizer fused) since the packed vote that have both
+#: D-Lion MaVo (random ties) and PowerSGD rank 1: interleaved, except e2e-nice10 (training threads at
+#: nice 10) and e2e-native-seq-a / -b (each method's steps back to back)
+RUNS = ("e2e-bitvote", "e2e-wordcoin", "e2e-nice10", "e2e-native", "e2e-native-bucket6", "e2e-native-seq-a",
+        "e2e-native-seq-b", "e2e-peers-ov")
+DLION_STEP = ("d-mavo-1bit-ov-rt", "d-mavo-1bit-rt-1b")
 COLORS = {"g-lion": "tab:red", "g-adamw-powersgd4-ov": "tab:orange", "d-mavo-1bit-ov-rt": "tab:blue",
           "d-local-mavo": "tab:green", "diloco-adamw": "tab:purple"}
 
@@ -121,6 +131,41 @@ def panel(results: str, key: str, title: str, e2e_path: str, methods: list, link
             "compute_speedup": s.get("compute_speedup"), "e2e": e2e_path, "methods": rows}
 
 
+def across_runs(results: str, runs=RUNS) -> list[dict]:
+    """Per run and link rate: the mean step (ms) of D-Lion and of PowerSGD ranks 1 and 4, each the
+    fastest of its forms in that run, and D-Lion's ratio to them (< 1: D-Lion's step is shorter)."""
+    out = []
+    for run in runs:
+        e2e = _load(os.path.join(results, run, "e2e_results.json"))
+        by_link: dict = {}
+        for r in e2e["results"]:
+            by_link.setdefault(r["link"], {})[r["method"]] = r["ms_mean"]
+        for link, ms in by_link.items():
+            row = {"run": run, "link": link}
+            for key, pick in (("dlion", lambda m: m in DLION_STEP), ("powersgd1", lambda m: "powersgd1" in m),
+                              ("powersgd4", lambda m: "powersgd4" in m)):
+                have = {m: v for m, v in ms.items() if pick(m)}
+                best = min(have, key=have.get) if have else None
+                row[key] = {"method": best, "mean_ms": have.get(best)}
+            for key in ("powersgd1", "powersgd4"):
+                row[f"dlion_over_{key}"] = (row["dlion"]["mean_ms"] / row[key]["mean_ms"]
+                                            if row["dlion"]["mean_ms"] and row[key]["mean_ms"] else None)
+            out.append(row)
+    return out
+
+
+def across_text(rows: list[dict]) -> str:
+    lines = ["mean ms per step; D-Lion: the faster of overlapped and one bucket; PowerSGD: the fastest of its forms",
+             f"{'run':<20} {'link':>8} {'D-Lion':>8} {'PSGD r1':>8} {'D/r1':>6} {'PSGD r4':>8} {'D/r4':>6}"]
+    for r in rows:
+        def cell(x, fmt):
+            return f"{x:{fmt}}" if x is not None else "-"
+        lines.append(f"{r['run']:<20} {r['link']:>8} {cell(r['dlion']['mean_ms'], '8.1f'):>8} "
+                     f"{cell(r['powersgd1']['mean_ms'], '8.1f'):>8} {cell(r['dlion_over_powersgd1'], '6.3f'):>6} "
+                     f"{cell(r['powersgd4']['mean_ms'], '8.1f'):>8} {cell(r['dlion_over_powersgd4'], '6.3f'):>6}")
+    return "\n".join(lines)
+
+
 def plot(panels: list[dict], path: str) -> None:
     import matplotlib
 
@@ -179,6 +224,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                     w.writerow([p["key"], row["method"], c["step"], f"{c['seconds']:.3f}", f"{c['median']:.6f}",
                                 f"{c['min']:.6f}", f"{c['max']:.6f}", c["seeds"]])
     plot(panels, os.path.join(args.out, "readme_ttq.png"))
+    rows = across_runs(args.results)
+    with open(os.path.join(args.out, "step_times_across_runs.json"), "w") as f:
+        json.dump({"runs": list(RUNS), "rows": rows}, f, indent=1)
+    with open(os.path.join(args.out, "step_times_across_runs.txt"), "w") as f:
+        f.write(across_text(rows) + "\n")
     for p in panels:
         print(f"{p['title']}, {p['link']}: time to {p['target_loss']:g}, mean over the seeds reaching it (min-max)")
         for row in p["methods"]:
@@ -187,7 +237,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                    else f"{t['mean_s']:.0f} s ({t['min_s']:.0f}-{t['max_s']:.0f})")
             print(f"  {row['label']:<30} {row['bits_sent_per_param_per_step']:6.3f} bits/param  "
                   f"{fig:<18} reached on {t['seeds_reaching']} of {t['seeds_run']} seeds")
-    print(f"wrote {os.path.join(args.out, 'readme_ttq.png')}, readme_ttq.json, readme_ttq.csv")
+    print(across_text(rows))
+    print(f"wrote {os.path.join(args.out, 'readme_ttq.png')}, readme_ttq.json, readme_ttq.csv, "
+          "step_times_across_runs.json, step_times_across_runs.txt")
     return 0
 
 
