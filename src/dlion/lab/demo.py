@@ -25,6 +25,9 @@ all-reduce: 2·(N−1)/N·B sent and as much received.
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
+import os
 import sys
 import time
 
@@ -87,7 +90,8 @@ def _train_one(rank, world, method, data, cfg):
     x_train, y_train, x_test, y_test = data
     torch.manual_seed(cfg["seed"])
     model = DigitsCNN(width=cfg["width"])
-    params = list(model.parameters())
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
     num_params = sum(p.numel() for p in params)
     if kind == "glion":
         from torch.nn.parallel import DistributedDataParallel
@@ -98,7 +102,7 @@ def _train_one(rank, world, method, data, cfg):
         opt = Lion(params, lr=lr, weight_decay=wd)
     else:
         net = model
-        opt = DistributedLion(params, lr=lr, weight_decay=wd, vote=vote, comm=cfg["comm"])
+        opt = DistributedLion(named, lr=lr, weight_decay=wd, vote=vote, comm=cfg["comm"])
 
     batch = cfg["batch_size"]
     per_rank = x_train.shape[0] // world
@@ -234,6 +238,62 @@ def run(workers: int = 4, epochs: int = 12, seed: int = 0, lr=None, weight_decay
     return rows
 
 
+#: modules the demo needs beyond dlion's own dependencies, with the packages that provide them;
+#: all are in the ``tools`` extra of pyproject.toml
+_TOOLS = (("sklearn", "scikit-learn", "the digits data set"), ("tqdm", "tqdm", "the progress bars"))
+
+
+def missing_tools(progress: bool) -> list[tuple[str, str]]:
+    """(package, what it is for) of every module the demo needs and cannot import; tqdm only
+    with progress bars."""
+    out = []
+    for module, package, why in _TOOLS:
+        if module == "tqdm" and not progress:
+            continue
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            out.append((package, why))
+    return out
+
+
+def missing_tools_message(missing: list[tuple[str, str]]) -> str:
+    names = " and ".join(f"{p} (for {why})" for p, why in missing)
+    return (f"dlion demo needs {names}, not installed here. Install dlion's 'tools' extra:\n"
+            f'    pip install "dlion[tools]"        (from a clone: pip install -e ".[tools]")\n'
+            f"or install them directly: pip install {' '.join(p for p, _ in missing)}")
+
+
+def results_doc(rows: list[dict], cfg: dict) -> dict:
+    """What the demo prints, as a JSON-ready record: per method the accuracy, the bytes and
+    bits per parameter one rank sends and receives per step (the busiest rank's counts), the
+    wall time, and whether every rank ended with the same parameters."""
+    import platform
+
+    from dlion import __version__
+
+    methods = []
+    for r in rows:
+        steps = max(r["steps"], 1)
+        sent, recv = r["bytes_sent"] / steps, r["bytes_received"] / steps
+        methods.append({
+            "method": r["method"], "lr": r["lr"], "weight_decay": r["weight_decay"],
+            "test_accuracy": r["accuracy"], "steps": r["steps"], "num_params": r["num_params"],
+            "bytes_sent_per_step": sent, "bytes_received_per_step": recv,
+            "bits_per_param_sent_per_step": 8.0 * sent / r["num_params"],
+            "bits_per_param_received_per_step": 8.0 * recv / r["num_params"],
+            "bytes_by_collective": r.get("by_kind"), "wall_s": r["wall"], "replicas_identical": r["identical"],
+        })
+    by = {r["method"]: r for r in rows}
+    g, m = by.get("G-Lion (DDP)"), by.get("D-Lion MaVo")
+    ratio = _per_step_total(g) / _per_step_total(m) if g and m and _per_step_total(m) > 0 else None
+    return {"benchmark": "dlion demo", "config": cfg, "methods": methods,
+            "glion_bytes_over_dlion_mavo_bytes": ratio,
+            "counting": "per rank and optimizer step, what a bandwidth-optimal collective moves over that "
+                        "rank's links (G-Lion: a ring all-reduce of the fp32 gradients; D-Lion: its comm_stats)",
+            "dlion_version": __version__, "torch": torch.__version__, "python": platform.python_version()}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dlion demo",
@@ -252,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--comm", default="1bit", choices=["1bit", "allgather", "pbit", "auto"],
                    help="D-Lion's collective (default 1bit: all-to-all + all-gather, ~(1+1)(N-1)/N bits per "
                         "parameter; 'auto' picks by bucket size and a per-call latency estimate)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="also write the figures it prints to DIR/demo_results.json (and the table to "
+                        "DIR/demo_table.txt)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars; print only the table")
     return p
@@ -264,6 +327,11 @@ def main(argv=None) -> int:
         return 2
     if args.epochs < 1 or args.batch_size < 1 or args.width < 1:
         print("dlion demo: --epochs, --batch-size and --width must be positive", file=sys.stderr)
+        return 2
+    progress = not (args.quiet or args.no_progress)
+    missing = missing_tools(progress)
+    if missing:
+        print(missing_tools_message(missing), file=sys.stderr)
         return 2
     from .data import load_digits_split
 
@@ -281,10 +349,19 @@ def main(argv=None) -> int:
         f"(global {n * args.batch_size}), {args.epochs} epochs = {steps_per_epoch * args.epochs} steps per method")
     sys.stdout.flush()
     rows = run(workers=n, epochs=args.epochs, seed=args.seed, lr=args.lr, weight_decay=args.weight_decay,
-               batch_size=args.batch_size, width=args.width, comm=args.comm, progress=not (args.quiet or args.no_progress), data=data)
+               batch_size=args.batch_size, width=args.width, comm=args.comm, progress=progress, data=data)
     lrs = ", ".join(f"{r['method']} {r['lr']:g}" for r in rows)
     say(f"\n{rows[0]['num_params']:,} parameters; lr: {lrs}; weight decay {rows[0]['weight_decay']:g}\n")
-    print(format_table(rows, n))
+    text = format_table(rows, n)
+    print(text)
+    if args.out:
+        cfg = dict(workers=n, epochs=args.epochs, seed=args.seed, batch_size=args.batch_size, width=args.width,
+                   comm=args.comm, lr=args.lr, weight_decay=args.weight_decay)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "demo_results.json"), "w") as f:
+            json.dump(results_doc(rows, cfg), f, indent=1)
+        with open(os.path.join(args.out, "demo_table.txt"), "w") as f:
+            f.write(text + "\n")
     by = {r["method"]: r for r in rows}
     g, m = by.get("G-Lion (DDP)"), by.get("D-Lion MaVo")
     print()
