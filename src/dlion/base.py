@@ -352,6 +352,15 @@ class DistributedBase(Lion):
         self.step_count += 1
         self.comm_stats.steps += 1
 
+    def _refuse_late_process_group(self) -> None:
+        """World size 1 at construction: raise if a process group of several ranks exists now."""
+        group = getattr(self, "process_group", None)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            raise RuntimeError(
+                f"{type(self).__name__} was built before torch.distributed.init_process_group(), so it is plain "
+                f"Lion on one rank, but the process group now has {dist.get_world_size(group)} ranks: their replicas "
+                "would diverge. Build the optimizer after init_process_group().")
+
     def _local_step(self, closure):
         """World size 1: exactly :class:`dlion.Lion`'s step, counted."""
         loss = Lion.step(self, closure)

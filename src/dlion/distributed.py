@@ -372,12 +372,13 @@ class DistributedLion(DistributedBase, Joinable):
         if grad_scaler is not None:
             return self._scaled_step(closure, grad_scaler)
         if self.world_size == 1:
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
-                raise RuntimeError(
-                    "DistributedLion was built before torch.distributed.init_process_group(), so it is plain Lion "
-                    f"on one rank, but the process group now has {dist.get_world_size(self.process_group)} ranks: "
-                    "their replicas would diverge. Build the optimizer after init_process_group().")
+            self._refuse_late_process_group()
             return self._local_step(closure)
+        return self._step_ranks(closure)
+
+    def _step_ranks(self, closure):
+        """A step of several ranks: contribute, exchange, apply (:class:`dlion.LocalDistributedLion`
+        runs a local step instead, and a round's exchange after every H of them)."""
         # Inside torch.distributed.algorithms.Join: say "still training" (one all-reduce on the
         # process group, before this step's collectives; nothing outside a Join context)
         joined = None if self._shadowing else Join.notify_join_context(self)

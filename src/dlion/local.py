@@ -28,10 +28,9 @@ from __future__ import annotations
 import contextlib
 import struct
 import zlib
-from typing import Callable, Iterable, Optional, Sequence, Union
+from typing import Iterable, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .buckets import Bucket, Contributed, all_finite, apply_codes
@@ -40,6 +39,19 @@ from .lion import Lion, check_grad
 from .quantize import quantize
 
 __all__ = ["LocalDistributedLion"]
+
+
+#: the options of :class:`DistributedLion` that :class:`LocalDistributedLion` takes as they are
+_FORWARDED = ("vote", "ties", "process_group", "comm", "aggregate", "quant_norm", "quant_bits", "bucket_cap_mb", "seed",
+              "check_every", "nonfinite", "maximize", "foreach", "momentum_dtype", "fused")
+#: and those it refuses, with why
+_NOT_APPLICABLE = {
+    "overlap": "there is nothing to hide behind backward but one exchange per round (streaming=True hides it "
+               "behind the next round).",
+    "delay": "streaming=True applies each round's vote one round later.",
+    "momentum_sync": "the momenta are never averaged (each rank's inner Lion keeps its own).",
+    "sign_hook": "the vote is on the rounds' progress, not on the signs of a step.",
+}
 
 
 class LocalDistributedLion(DistributedLion):
@@ -57,6 +69,7 @@ class LocalDistributedLion(DistributedLion):
             the vote is on the progress of one step, weight decay included).
         outer_scale: α, the outer step is α·S·Δ with S the round's summed lr.
         error_feedback: carry what the sign dropped into the next round (module docstring).
+        streaming: exchange each round's vote behind the next round and apply it one round later.
         vote, ties, process_group, comm, aggregate, quant_norm, quant_bits, bucket_cap_mb, seed,
         check_every, nonfinite, momentum_dtype, fused: as :class:`dlion.DistributedLion`;
         ``aggregate="quantized"`` votes on Lion Cub's quantised residual instead of its sign
@@ -78,22 +91,13 @@ class LocalDistributedLion(DistributedLion):
         outer_scale: float = 1.0,
         error_feedback: bool = True,
         streaming: bool = False,
-        vote: str = "mavo",
-        ties: str = "zero",
-        process_group=None,
-        comm: str = "auto",
-        aggregate: str = "sign",
-        quant_norm: str = "l1",
-        quant_bits: int = 8,
-        bucket_cap_mb: Union[float, Sequence[float]] = 25.0,
-        seed: int = 0,
-        check_every: int = 0,
-        nonfinite: str = "skip",
-        maximize: bool = False,
-        foreach: Optional[bool] = None,
-        momentum_dtype: Optional[torch.dtype] = None,
-        fused: bool = False,
+        **options,
     ):
+        for name in options:  # DistributedLion's options that a round of local steps has no use for
+            if name in _NOT_APPLICABLE:
+                raise TypeError(f"LocalDistributedLion does not take {name!r}: {_NOT_APPLICABLE[name]}")
+            if name not in _FORWARDED:
+                raise TypeError(f"LocalDistributedLion got an unexpected keyword argument {name!r}")
         if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
             raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
         if (not isinstance(outer_scale, (int, float)) or isinstance(outer_scale, bool)
@@ -105,10 +109,7 @@ class LocalDistributedLion(DistributedLion):
             raise ValueError(f"streaming must be True or False, got {streaming!r}")
         self.sync_every, self.outer_scale, self.error_feedback = sync_every, float(outer_scale), error_feedback
         self.streaming = streaming  # (read by DistributedLion.__init__: the exchange gets a thread and a group)
-        super().__init__(params, lr, betas, weight_decay, vote=vote, ties=ties, process_group=process_group,
-                         comm=comm, aggregate=aggregate, quant_norm=quant_norm, quant_bits=quant_bits,
-                         bucket_cap_mb=bucket_cap_mb, seed=seed, check_every=check_every, nonfinite=nonfinite,
-                         maximize=maximize, foreach=foreach, momentum_dtype=momentum_dtype, fused=fused)
+        super().__init__(params, lr, betas, weight_decay, **options)
         #: per bucket: the anchor (parameter dtype, identical on every rank) and this rank's residual
         self._anchor = [b.flat(b.params[0].dtype) for b in self.buckets]
         self._error = [b.flat() for b in self.buckets]
@@ -251,16 +252,14 @@ class LocalDistributedLion(DistributedLion):
             "batches, or stop every rank at the shortest shard's length).")
 
     # -- the step ----------------------------------------------------------------
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler=None):
-        if grad_scaler is not None:
-            return self._scaled_step(closure, grad_scaler)
-        if self.world_size == 1:
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
-                return super().step(closure)  # (raises: built before init_process_group)
-            loss = Lion.step(self, closure)  # plain Lion
-            self._tick()
-            return loss
+    def _local_step(self, closure):
+        """World size 1: plain Lion, counted."""
+        loss = Lion.step(self, closure)
+        self._tick()
+        return loss
+
+    def _step_ranks(self, closure):
+        """A local step on every rank; after every H of them, the round's exchange."""
         loss = self._evaluate(closure)
         self._check_frozen()
         self._inner_step()

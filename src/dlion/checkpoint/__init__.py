@@ -97,16 +97,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .common import (
-    FORMAT_VERSION,
-    MOMENTA_POLICIES,
-    CheckpointError,
-    CheckpointWarning,
-    LoadInfo,
-    _apply_optimizer_state,
-    _group_info,
-    _prepare,
-)
+from .common import (FORMAT_VERSION, MOMENTA_POLICIES, CheckpointError, CheckpointWarning, LoadInfo,
+    _apply_optimizer_state, _group_info, _prepare)
 from .sharded import READ_CHUNK_BYTES, _save_sharded, _ShardedSource
 from .single import _TRAILER_LEN, MAGIC, _FileSource, _save_file, read_file
 

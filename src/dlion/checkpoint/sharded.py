@@ -14,25 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .common import (
-    FORMAT_VERSION,
-    CheckpointError,
-    _broadcast_from_root,
-    _checked_save_args,
-    _compare_replicas,
-    _fsync_dir,
-    _group_info,
-    _optimizer_config,
-    _rng_state,
-    _tensor_digest,
-)
+from .common import (FORMAT_VERSION, CheckpointError, _broadcast_from_root, _checked_save_args, _compare_replicas,
+    _fsync_dir, _group_info, _optimizer_config, _rng_state, _tensor_digest)
 
 READ_CHUNK_BYTES = 256 << 20
-
-
 _HEADER_KEY = "dlion.header"
-
-
 _DCP_FILE = re.compile(r"__\d+_\d+\.distcp\Z")
 
 

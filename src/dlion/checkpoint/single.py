@@ -11,20 +11,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from .common import (
-    FORMAT_VERSION,
-    CheckpointError,
-    _broadcast_from_root,
-    _checked_save_args,
-    _compare_replicas,
-    _fsync_dir,
-    _gather_to_root,
-    _group_info,
-    _mean_state,
-    _optimizer_config,
-    _rng_state,
-    _tensor_digest,
-)
+from .common import (FORMAT_VERSION, CheckpointError, _broadcast_from_root, _checked_save_args, _compare_replicas,
+    _fsync_dir, _gather_to_root, _group_info, _mean_state, _optimizer_config, _rng_state, _tensor_digest)
 
 MAGIC = b"DLION-CHECKPOINT\n"
 _TRAILER_TAG = b"\nDLION-SHA256 "

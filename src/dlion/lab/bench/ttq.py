@@ -432,14 +432,9 @@ def main(argv: list[str]) -> int:
         from .ttq_seeds import run
 
         return run(args.across, args.out)
-    from .e2e.methods import parse_methods
+    from .e2e.methods import methods_from_args
 
-    try:
-        methods = parse_methods(args.methods)
-    except ValueError as e:
-        ap.error(str(e))
-    if args.sync_every < 1:
-        ap.error(f"--sync-every must be >= 1, got {args.sync_every}")
+    methods = methods_from_args(ap, args)
     if "g-lion" not in methods and args.target is None:
         methods = ["g-lion"] + methods  # the reference that defines L (with --target, only if asked for)
     cfg = {"n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head, "block_size": args.block_size,

@@ -77,7 +77,7 @@ from typing import Optional
 from .instrument import Instrument
 from .launch import e2e_env_worker, run_e2e_cluster, run_e2e_loopback, make_batches, run_methods
 from .methods import (BASELINES, DLION, GROUPS, LABELS, METHODS, POWERSGD_START_ITER, SYNC_EVERY, MethodRun, label,
-                      parse_methods)
+                      methods_from_args, parse_methods)
 from .report import write_report, headline, overlap, overlap_lines, plot, profile_lines, summarize, table
 
 # The package: methods (names, groups, labels, one method on one rank), instrument (byte
@@ -185,12 +185,7 @@ def main(argv: list[str]) -> int:
         ap.error(f"--queue {args.queue!r}: give a time such as 50ms or 0.8s")
     if not 0 <= args.compute_nice <= 19:
         ap.error(f"--compute-nice must be in 0..19, got {args.compute_nice}")
-    try:
-        methods = parse_methods(args.methods)
-    except ValueError as e:
-        ap.error(str(e))
-    if args.sync_every < 1:
-        ap.error(f"--sync-every must be >= 1, got {args.sync_every}")
+    methods = methods_from_args(ap, args)
     local = [m for m in methods if m in SYNC_EVERY]
     if local and args.steps % args.sync_every:
         ap.error(f"--steps {args.steps} is not a multiple of --sync-every {args.sync_every}: {', '.join(local)} "

@@ -87,6 +87,17 @@ FIRST_BUCKET_MB = 2.0  # -fb methods: on CharGPT the one block-5 MLP matrix, lik
 PROFILE_RANGES = ("dlion.contribute", "dlion.exchange", "dlion.apply")
 
 
+def methods_from_args(ap, args) -> list[str]:
+    """``--methods`` parsed and ``--sync-every`` checked, or the parser's error (for e2e and ttq)."""
+    try:
+        methods = parse_methods(args.methods)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.sync_every < 1:
+        ap.error(f"--sync-every must be >= 1, got {args.sync_every}")
+    return methods
+
+
 def takes_ties(method: str) -> bool:
     """Whether ``method`` ties as ``--ties`` says (D-Lion without -rt / -pt, and the DDP hook)."""
     parts = method.split("-")
