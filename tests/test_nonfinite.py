@@ -48,22 +48,22 @@ def hook_worker(rank, world, comm, fused):
         _loss(ddp(x), y, BAD.get(t) if rank == 1 else None).backward()
         opt.step()
         params = [p.detach().clone() for p in model.parameters()]
-        decayed_only = all(torch.equal(p, b.mul(1.0 - LR * WD)) for p, b in zip(params, before))
+        unchanged = all(torch.equal(p, b) for p, b in zip(params, before))
         momenta_kept = bool(m_before) and all(torch.equal(state.momenta[i], m) for i, m in m_before.items())
         momenta_finite = all(bool(torch.isfinite(m).all()) for m in state.momenta.values())
-        trace.append((params, decayed_only, momenta_kept, momenta_finite))
+        trace.append((params, unchanged, momenta_kept, momenta_finite))
     return trace, state.skipped_steps, state.skipped_buckets
 
 
 def _check(results, skipped):
     for trace, *counts in results:
         assert counts[0] == len(BAD), counts
-        for t, (_, decayed_only, momenta_kept, momenta_finite) in enumerate(trace):
+        for t, (_, unchanged, momenta_kept, momenta_finite) in enumerate(trace):
             assert momenta_finite, t
-            if t in BAD:  # skipped on every rank: no Δ, no momentum update anywhere
-                assert decayed_only and momenta_kept, t
+            if t in BAD:  # skipped on every rank: no Δ, no weight decay, no momentum update anywhere
+                assert unchanged and momenta_kept, t
             else:  # the steps after a bad one train normally
-                assert not decayed_only and not momenta_kept, t
+                assert not unchanged and not momenta_kept, t
     for trace, *_ in results[1:]:
         for (params, *_), (ref, *_) in zip(trace, results[0][0]):
             assert all(torch.equal(a, b) for a, b in zip(params, ref))
@@ -73,7 +73,9 @@ def _check(results, skipped):
 @pytest.mark.parametrize("comm, fused", [("1bit", False), ("allgather", True), ("pbit", False)])
 def test_ddp_hook_skips_a_bad_batch_on_every_rank_and_recovers(comm, fused):
     """Until 2026-11-26 the hook updated the momentum before knowing the outcome: rank 1's
-    momentum took the inf, and every later step was skipped on every rank, silently."""
+    momentum took the inf, and every later step was skipped on every rank, silently. Until the
+    join37 change ApplyDelta still applied the weight decay x·(1 − η·λ) to a skipped bucket's
+    parameters (it saw Δ = 0, not the skip): a skipped step must leave them unchanged."""
     results = spawn(hook_worker, 3, comm, fused, timeout_s=120)
     _check(results, len(BAD))
     for _, _, buckets in results:

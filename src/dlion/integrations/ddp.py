@@ -42,8 +42,9 @@ What differs from :class:`dlion.DistributedLion` (all consequences of DDP's hook
   rank's backward raise instead (``FloatingPointError`` inside DDP's error), with no
   momentum changed; after ``state.warn_after_skips`` (10) skipping steps in a row a
   ``RuntimeWarning`` names the rank(s), as :class:`dlion.DistributedLion` does.
-  ``ApplyDelta`` still applies the weight decay x·(1 − η·λ) to a skipped bucket's
-  parameters (it sees Δ = 0, not the skip).
+  :class:`ApplyDelta` leaves a skipped bucket's parameters unchanged, weight decay
+  included (the hook state tells it which were skipped), as a skipped step of
+  :class:`dlion.DistributedLion` does.
 * The momenta live in the hook state: save them per rank with
   ``state.state_dict()`` / ``load_state_dict`` next to the optimizer's.
 """
@@ -51,6 +52,7 @@ What differs from :class:`dlion.DistributedLion` (all consequences of DDP's hook
 import itertools
 import threading
 import warnings
+import weakref
 from typing import Iterable, Optional
 
 import torch
@@ -67,6 +69,15 @@ from ..lion import check_hyperparameters, check_momentum_dtype
 __all__ = ["DLionHookState", "dlion_hook", "ApplyDelta", "per_bucket_groups"]
 
 _HOOK_COMMS = ("1bit", "allgather", "pbit")
+
+#: every live DLionHookState (ApplyDelta finds the states that vote on its parameters here)
+_STATES: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _states_of(params: Iterable) -> list:
+    """The live :class:`DLionHookState` objects that vote on any of ``params``."""
+    ids = {id(p) for p in params}
+    return [s for s in list(_STATES) if not ids.isdisjoint(s._param_ids)]
 
 
 def per_bucket_groups(model: torch.nn.Module, bucket_cap_mb: Optional[float] = None, process_group=None) -> list:
@@ -119,6 +130,11 @@ class DLionHookState:
         self.algorithm = make_algorithm(comm, self.rule)
         self.comm, self.seed = comm, seed
         self.index = {p: i for i, p in enumerate(model.parameters())}
+        self.params = list(self.index)
+        self._param_ids = {id(p) for p in self.params}
+        _STATES.add(self)  # (ApplyDelta asks it which of its parameters' buckets were skipped)
+        #: step -> indices of the parameters of the buckets skipped in that step (non-finite somewhere)
+        self._skipped: dict = {}
         self.momenta: dict = {}
         self.steps = 0
         self.skipped_buckets = 0
@@ -167,16 +183,25 @@ class DLionHookState:
             self._open.setdefault(step, [0, None, []])[1] = buckets
             self._close_if_done(step)
 
-    def _decided(self, step: int, ranks_nonfinite: list) -> None:
-        """One bucket of ``step`` decided (skipped when ``ranks_nonfinite`` is not empty); once every
-        bucket of the step is, the step counts as skipped or not (the same on every rank)."""
+    def _decided(self, step: int, ranks_nonfinite: list, params: Optional[list] = None) -> None:
+        """One bucket of ``step`` decided (skipped when ``ranks_nonfinite`` is not empty: its
+        ``params`` are recorded for :class:`ApplyDelta`); once every bucket of the step is, the
+        step counts as skipped or not (the same on every rank)."""
         with self._lock:
             entry = self._open.setdefault(step, [0, None, []])
             entry[0] += 1
             if ranks_nonfinite:
                 self.skipped_buckets += 1
                 entry[2].extend(ranks_nonfinite)
+                self._skipped.setdefault(step, set()).update(self.index[p] for p in params or [])
             self._close_if_done(step)
+
+    def _take_skipped(self) -> set:
+        """The parameters (as objects' ids) of the buckets skipped in the last step; forgotten once taken."""
+        with self._lock:
+            last = self._skipped.pop(self.steps - 1, set())
+            self._skipped.clear()
+        return {id(self.params[i]) for i in last}
 
     def _close_if_done(self, step: int) -> None:
         done, buckets, ranks = self._open[step]
@@ -300,7 +325,7 @@ def dlion_hook(state: DLionHookState, bucket) -> torch.futures.Future[torch.Tens
         except StopIteration as stop:
             outcome = stop.value
         if outcome.codes is None:  # inf/NaN on some rank: this bucket does not move anywhere, no momentum changes
-            state._decided(step_no, outcome.ranks_nonfinite or [None])
+            state._decided(step_no, outcome.ranks_nonfinite or [None], params)
             if state.nonfinite == "raise":
                 raise FloatingPointError(f"dlion_hook: a rank has inf/NaN gradients in bucket {bucket.index()} at "
                                          f"step {step_no}; no rank changed this bucket's momentum.")
@@ -316,7 +341,9 @@ def dlion_hook(state: DLionHookState, bucket) -> torch.futures.Future[torch.Tens
 
 class ApplyDelta(torch.optim.Optimizer):
     """x ← x·(1 − η·λ) − η·Δ with Δ = the parameter's ``.grad`` as :func:`dlion_hook` left it
-    (the update :class:`dlion.DistributedLion` applies, with the same roundings)."""
+    (the update :class:`dlion.DistributedLion` applies, with the same roundings). The parameters
+    of a bucket the hook skipped in the last step (inf/NaN on some rank) are left unchanged, weight
+    decay included, on every rank."""
 
     def __init__(self, params: Iterable, lr: float = 1e-4, weight_decay: float = 0.0):
         check_hyperparameters(lr, (0.0, 0.0), weight_decay)
@@ -328,8 +355,11 @@ class ApplyDelta(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        skipped: set = set()
+        for state in _states_of(p for g in self.param_groups for p in g["params"]):
+            skipped |= state._take_skipped()
         for group in self.param_groups:
-            ps = [p for p in group["params"] if p.grad is not None]
+            ps = [p for p in group["params"] if p.grad is not None and id(p) not in skipped]
             if not ps:
                 continue
             lr, wd = group["lr"], group["weight_decay"]
