@@ -4,15 +4,20 @@ Rank 2 has two batches fewer than ranks 0 and 1. Inside ``Join([opt])`` the rank
 answers the others' remaining steps as an abstainer (no gradient on any parameter); every rank
 finishes with bitwise-equal parameters, equal to a run without Join in which rank 2's missing
 steps are steps with every gradient None. Without Join every rank would wait in the next
-collective until the process-group timeout.
+collective until the process-group timeout (the workers' is 60 to 120 s: a hang fails the test).
+The same for the DDP communication hook (``Join([ddp, opt])``), HierarchicalDistributedLion and
+LocalDistributedLion below.
 """
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch import nn
 from torch.distributed.algorithms import Join
-from torch.distributed.algorithms.join import Joinable
+from torch.distributed.algorithms.join import JoinHook, Joinable
 
 import dlion
+from dlion.integrations.ddp import ApplyDelta, DLionHookState, dlion_hook
 from dlion.lab.spawn import spawn
 from conftest import BETAS, LR, WD, grads_for, init_params
 
@@ -119,3 +124,157 @@ def test_a_per_step_schedule_not_stepped_on_the_joined_rank_raises_on_every_rank
     Δ with two different lrs."""
     for err in spawn(schedule_worker, 2, timeout_s=60):
         assert err is not None and "ranks disagree on lr, betas, weight_decay or maximize at step 3" in err
+
+
+def _snapshot(params):
+    return [p.detach().clone() for p in params]
+
+
+class Snapshots(Joinable):
+    """Listed last in ``Join``: on a finished rank, the parameters after each step it shadowed
+    (after every other joinable's hook has run), so that they can be compared step by step."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.params, self.seen = list(params), []
+
+    def join_hook(self, **kwargs):
+        outer = self
+
+        class Record(JoinHook):
+            def main_hook(self):
+                outer.seen.append(_snapshot(outer.params))
+
+        return Record()
+
+    @property
+    def join_device(self):
+        return torch.device("cpu")
+
+    @property
+    def join_process_group(self):
+        return dist.group.WORLD
+
+
+# -- the DDP communication hook ---------------------------------------------------------------
+DDP_BATCHES = (5, 3, 4)  # rank 1 runs out first, then rank 2
+DDP_CONFIGS = [dict(vote="mavo", comm="1bit"), dict(vote="avg", comm="allgather"), dict(vote="mavo", comm="pbit")]
+
+
+def _ddp_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 400), nn.Tanh(), nn.Linear(400, 800), nn.Tanh(), nn.Linear(800, 5))
+
+
+def _ddp_batch(rank, t):
+    g = torch.Generator().manual_seed(100 * rank + t)
+    return torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)
+
+
+def ddp_join_worker(rank, world, with_opt):
+    """Each config: DDP with the hook inside ``Join([ddp, opt])`` (``with_opt``) or ``Join([ddp])``,
+    this rank's DDP_BATCHES[rank] batches; then the reference, DistributedLion on the bare model for
+    max(DDP_BATCHES) steps, the missing ones without any gradient (this rank abstains)."""
+    out = []
+    total = max(DDP_BATCHES)
+    for cfg in DDP_CONFIGS:
+        model = _ddp_model()
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.5)  # two buckets after the rebuild
+        state = DLionHookState(model, betas=BETAS, bucket_cap_mb=0.5, **cfg)
+        ddp.register_comm_hook(state, dlion_hook)
+        opt = ApplyDelta(ddp.parameters(), lr=LR, weight_decay=WD)
+        probe = Snapshots(model.parameters())
+        after = []
+        with Join([ddp, opt, probe] if with_opt else [ddp, probe]):
+            for t in range(DDP_BATCHES[rank]):
+                opt.zero_grad()
+                x, y = _ddp_batch(rank, t)
+                nn.functional.cross_entropy(ddp(x), y).backward()
+                opt.step()
+                after.append(_snapshot(model.parameters()))
+        after += probe.seen
+        final = _snapshot(model.parameters())
+        momenta = state.state_dict()["momenta"]
+        ref = _ddp_model()
+        ropt = dlion.DistributedLion(ref.named_parameters(), lr=LR, betas=BETAS, weight_decay=WD, vote=cfg["vote"],
+                                     comm="1bit")
+        ref_after = []
+        for t in range(total):
+            ropt.zero_grad()
+            if t < DDP_BATCHES[rank]:
+                x, y = _ddp_batch(rank, t)
+                nn.functional.cross_entropy(ref(x), y).backward()
+            ropt.step()
+            ref_after.append(_snapshot(ref.parameters()))
+        out.append(dict(after=after, final=final, ref=ref_after, steps=state.steps,
+                        momenta=[momenta[i] for i in range(len(final))],
+                        ref_momenta=[ropt.state[p]["exp_avg"].clone() for p in ref.parameters()]))
+    return out
+
+
+def _equal(xs, ys):
+    return len(xs) == len(ys) and all(torch.equal(a, b) for a, b in zip(xs, ys))
+
+
+def test_ddp_hook_join_abstains_for_the_finished_ranks_and_applies_the_same_delta():
+    """``Join([ddp, opt])``, 3 ranks with 5/3/4 batches: after every step (the finished ranks' too,
+    recorded after their shadow) every rank's parameters equal those of DistributedLion in which
+    the missing steps have no gradient, bitwise; the finished ranks' momenta do not change. Before:
+    ``ApplyDelta`` was not a Joinable (``Join`` raised); with the hook run on DDP's zero buckets as
+    a real backward, the finished rank votes sign(β1·m) and decays its momentum (the vote and the
+    parameters differ from the reference), and without ApplyDelta's join hook its parameters stay
+    behind until DDP's final broadcast."""
+    results = spawn(ddp_join_worker, 3, True, timeout_s=120)
+    total = max(DDP_BATCHES)
+    for c in range(len(DDP_CONFIGS)):
+        for rank in range(3):
+            got = results[rank][c]
+            assert got["steps"] == total and len(got["after"]) == total
+            for t in range(total):
+                assert _equal(got["after"][t], got["ref"][t]), (DDP_CONFIGS[c], rank, t)
+                assert _equal(got["after"][t], results[0][c]["after"][t]), (DDP_CONFIGS[c], rank, t)
+            assert _equal(got["final"], got["ref"][-1])
+            assert _equal(got["momenta"], got["ref_momenta"])
+
+
+def test_ddp_hook_join_without_apply_delta_is_equal_at_the_end():
+    """``Join([ddp])`` alone: the finished ranks abstain in the vote (the others' parameters equal
+    the reference at every step) and DDP's final broadcast brings theirs level at the end."""
+    results = spawn(ddp_join_worker, 3, False, timeout_s=120)
+    total = max(DDP_BATCHES)
+    for c in range(len(DDP_CONFIGS)):
+        for rank in range(3):
+            got = results[rank][c]
+            assert _equal(got["final"], got["ref"][-1]), (DDP_CONFIGS[c], rank)
+            assert _equal(got["momenta"], got["ref_momenta"])
+        assert all(_equal(results[0][c]["after"][t], results[0][c]["ref"][t]) for t in range(total))
+
+
+def ddp_misuse_worker(rank, world):
+    model = _ddp_model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    state = DLionHookState(model, comm="allgather")
+    ddp.register_comm_hook(state, dlion_hook)
+    opt = ApplyDelta(ddp.parameters(), lr=LR)
+    stray = ApplyDelta([torch.zeros(3, requires_grad=True)], lr=LR)  # parameters no hook state votes on
+    errors = []
+    for joinables in ([opt, ddp], [opt], [ddp, stray]):
+        with pytest.raises(ValueError) as e:
+            Join(joinables)
+        errors.append(str(e.value))
+    # nothing was issued: the ranks still train together
+    x, y = _ddp_batch(rank, 0)
+    nn.functional.cross_entropy(ddp(x), y).backward()
+    opt.step()
+    return errors, _snapshot(model.parameters())
+
+
+def test_ddp_hook_join_in_the_wrong_order_or_without_the_hook_raises_on_every_rank():
+    """ApplyDelta listed before the DDP model (or alone) would announce each iteration after the
+    hook's collectives: ``ValueError`` on every rank when ``Join`` is built, before any collective."""
+    results = spawn(ddp_misuse_worker, 2, timeout_s=60)
+    for errors, params in results:
+        assert "must come after the DistributedDataParallel model" in errors[0]
+        assert "must come after the DistributedDataParallel model" in errors[1]
+        assert "only together with the DistributedDataParallel model whose communication hook is dlion_hook" in errors[2]
+        assert _equal(params, results[0][1])
