@@ -278,3 +278,66 @@ def test_ddp_hook_join_in_the_wrong_order_or_without_the_hook_raises_on_every_ra
         assert "must come after the DistributedDataParallel model" in errors[1]
         assert "only together with the DistributedDataParallel model whose communication hook is dlion_hook" in errors[2]
         assert _equal(params, results[0][1])
+
+
+# -- HierarchicalDistributedLion ------------------------------------------------------------
+HIER_BATCHES = (5, 3, 2, 4)  # a 2 × 2 mesh: node 0 = ranks 0, 1; node 1 = ranks 2, 3 (finishes before node 0)
+HIER_CONFIGS = [dict(vote="mavo", comm="1bit", check_every=1), dict(vote="avg", comm="allgather", momentum_sync=2),
+                dict(vote="mavo", comm="pbit", ties="random")]
+
+
+def hier_join_worker(rank, world, joined):
+    """Each config: with ``joined``, this rank's HIER_BATCHES[rank] steps inside ``Join([opt])``; otherwise
+    max(HIER_BATCHES) steps, the missing ones with every gradient None. The parameters after each step
+    (a finished rank's: after each step it shadowed) and the momentum slices at the end."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local"))
+    out = []
+    total = max(HIER_BATCHES)
+    for cfg in HIER_CONFIGS:
+        params = [p.requires_grad_() for p in init_params(rank)]
+        opt = dlion.HierarchicalDistributedLion(params, lr=LR, betas=BETAS, weight_decay=WD, mesh=mesh, seed=5, **cfg)
+        after = []
+        if joined:
+            probe = Snapshots(params)
+            with Join([opt, probe]):
+                for t in range(HIER_BATCHES[rank]):
+                    for p, g in zip(params, grads_for(rank, t, False)):
+                        p.grad = g
+                    opt.step()
+                    after.append(_snapshot(params))
+            after += probe.seen
+        else:
+            for t in range(total):
+                grads = grads_for(rank, t, False) if t < HIER_BATCHES[rank] else [None] * len(params)
+                for p, g in zip(params, grads):
+                    p.grad = g
+                opt.step()
+                after.append(_snapshot(params))
+        opt.check_replicas()
+        out.append(dict(after=after, steps=opt.step_count, momenta=[buf.momentum.clone() for buf in opt._sbufs],
+                        grads=[None if p.grad is None else p.grad.clone() for p in params]))
+    return out
+
+
+def test_hierarchical_join_lets_ranks_and_whole_nodes_that_run_out_abstain():
+    """4 ranks on a 2 × 2 mesh with 5/3/2/4 batches (node 1 runs out before node 0; rank 1 before its
+    node-mate): inside ``Join([opt])`` every rank's parameters after every step (a finished rank's after
+    each step it shadowed) equal, bitwise, those of the run in which the missing steps have every gradient
+    None (a zero in the node's mean; a node with no gradient abstains), and so do the momentum slices;
+    the finished ranks' ``.grad`` are their last batch's. Before: the optimizer was not a Joinable
+    (``Join([opt])`` raised), and without Join every rank waited in the next collective until the timeout."""
+    joined = spawn(hier_join_worker, 4, True, timeout_s=120)
+    plain = spawn(hier_join_worker, 4, False, timeout_s=120)
+    total = max(HIER_BATCHES)
+    for c in range(len(HIER_CONFIGS)):
+        for rank in range(4):
+            got, want = joined[rank][c], plain[rank][c]
+            assert got["steps"] == total and len(got["after"]) == total
+            for t in range(total):
+                assert _equal(got["after"][t], want["after"][t]), (HIER_CONFIGS[c], rank, t)
+                assert _equal(got["after"][t], joined[0][c]["after"][t]), (HIER_CONFIGS[c], rank, t)
+            assert _equal(got["momenta"], want["momenta"])
+            last = grads_for(rank, HIER_BATCHES[rank] - 1, False)
+            assert all((g is None and w is None) or torch.equal(g, w) for g, w in zip(got["grads"], last))

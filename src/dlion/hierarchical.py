@@ -38,6 +38,7 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.algorithms.join import Join, JoinHook, Joinable
 
 from . import kernels
 from .aggregation import VoteRule, coin_key
@@ -46,8 +47,8 @@ from .buckets import (Bucket, RankBuffers, Scratch, apply_scaled_delta, contribu
                       update_momentum)
 from .collectives import CommStats, GroupTransport
 from .pipeline import Flight, Pipeline
-from .distributed import (DesyncError, average_momenta, check_options, checksum_table, momentum_sync_due,
-                          raise_if_diverged, reject_unsupported)
+from .distributed import (DesyncError, _ShadowSteps, average_momenta, check_options, checksum_table,
+                          momentum_sync_due, raise_if_diverged, reject_unsupported)
 from .lion import Lion, check_grad
 from .quantize import levels
 
@@ -113,7 +114,7 @@ class _Done:
         return True
 
 
-class HierarchicalDistributedLion(Lion):
+class HierarchicalDistributedLion(Lion, Joinable):
     """Distributed Lion on a two-level mesh: full-precision gradients inside a node,
     the 1-bit vote between nodes, one momentum per node sharded across its ranks.
 
@@ -133,7 +134,14 @@ class HierarchicalDistributedLion(Lion):
     momentum values this rank holds (≈ 1/L of the trainable parameters).
     Not supported (raise): ``overlap``, ``sign_hook``, ``torch.amp.GradScaler``,
     ``add_param_group`` after construction.
+
+    Uneven inputs: ``with torch.distributed.algorithms.Join([opt]):`` around the loop; a rank that
+    has run out of batches answers every later step with a step without gradients (a zero in its
+    node's mean, as a ``.grad`` of None always is; a node whose ranks have all finished abstains),
+    so nothing hangs and the replicas stay identical (:meth:`join_hook`).
     """
+
+    _shadowing = False  # a Join shadow step is running (_shadow_step)
 
     def __init__(
         self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0,
@@ -164,6 +172,7 @@ class HierarchicalDistributedLion(Lion):
         self._agree_on_kernels = True  # (fused=True: below, on every rank at once)
         super().__init__(params, lr, betas, weight_decay, maximize=maximize, foreach=foreach,
                          momentum_dtype=momentum_dtype, fused=fused)
+        Joinable.__init__(self)  # a disabled join config until a Join context manager sets one
         self.fused = bool(fused)
         kernels_error = kernels.load_error() if any(g.get("fused") for g in self.param_groups) else None
         self._params = [p for g in self.param_groups for p in g["params"]]
@@ -345,6 +354,7 @@ class HierarchicalDistributedLion(Lion):
                                "autocast (no scaler) or use dlion.DistributedLion.")
         if self.world_size == 1:
             return self._local_step(closure)
+        joined = self._announce()  # (Join: "still training", before this step's collectives)
         loss = self._evaluate(closure)
         self._check_frozen()
         step_no = self.step_count
@@ -383,6 +393,8 @@ class HierarchicalDistributedLion(Lion):
             work.wait()
             rows.append(got.view(L, -1))
         self._finish(step_no, flights, rows, presents, errors)
+        if joined is not None:
+            joined.wait()
         return loss
 
     def _fill_send(self, k: int) -> Optional[Exception]:
@@ -556,6 +568,47 @@ class HierarchicalDistributedLion(Lion):
         work, everyone = self._inter.issue("all_gather", node, "check") if self.num_nodes > 1 else (_Done, node)
         work.wait()
         raise_if_diverged(everyone, self._params, self.world_size, "HierarchicalDistributedLion", self.step_count)
+
+    # -- uneven inputs: torch.distributed.algorithms.Join ---------------------------
+    def _announce(self):
+        """Inside ``Join``: tell the context manager that this rank is still training (one all-reduce on
+        the world group, issued before the step's collectives); None outside a Join context and in a
+        shadow step."""
+        return None if self._shadowing else Join.notify_join_context(self)
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        """The hook ``Join`` runs on a rank that has run out of data, once per step of the ranks still
+        training: a step without gradients (:meth:`_shadow_step`). Needs a mesh of every rank of the job."""
+        if self.mesh is not None and self.mesh.size() != dist.get_world_size():
+            raise NotImplementedError(
+                f"HierarchicalDistributedLion: torch.distributed.algorithms.Join needs a mesh of every rank of the job "
+                f"(its own all-reduces run on the world group); this mesh has {self.mesh.size()} of "
+                f"{dist.get_world_size()} ranks.")
+        return _ShadowSteps(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._params[0].device if self._params else torch.device("cpu")
+
+    @property
+    def join_process_group(self):
+        return dist.group.WORLD
+
+    @torch.no_grad()
+    def _shadow_step(self) -> None:
+        """A step with no gradient on this rank: the same collectives as the other ranks' step, a zero
+        in its node's mean (its node abstains where all of its ranks have finished), then the agreed Δ
+        and this rank's slice of its node's momentum, as every step. Its own ``.grad`` are put back."""
+        saved = [p.grad for p in self._params]
+        for p in self._params:
+            p.grad = None
+        self._shadowing = True
+        try:
+            self.step()
+        finally:
+            self._shadowing = False
+            for p, g in zip(self._params, saved):
+                p.grad = g
 
     # -- checkpointing ----------------------------------------------------------
     def state_dict(self) -> dict:
