@@ -83,9 +83,10 @@ def test_join_lets_a_rank_with_fewer_batches_abstain_until_every_rank_is_done():
 
 def unsupported_worker(rank, world):
     errors = []
+    group = dist.new_group([0, 1])  # every rank, as an explicit group
     for make in (lambda ps: dlion.DistributedLion(ps, lr=LR, overlap=True),
                  lambda ps: dlion.DistributedLion(ps, lr=LR, delay=1),
-                 lambda ps: dlion.LocalDistributedLion(ps, lr=LR, sync_every=2)):
+                 lambda ps: dlion.LocalDistributedLion(ps, lr=LR, sync_every=2, streaming=True, process_group=group)):
         opt = make([p.requires_grad_() for p in init_params(rank)])
         with pytest.raises(NotImplementedError) as e:
             Join([opt])
@@ -94,11 +95,12 @@ def unsupported_worker(rank, world):
 
 
 def test_join_is_refused_where_a_step_cannot_be_shadowed():
-    """overlap=True, delay=1 and LocalDistributedLion: Join([opt]) raises NotImplementedError on
-    every rank, before any collective (nothing hangs)."""
+    """overlap=True, delay=1 and LocalDistributedLion(streaming=True) on an explicit process group:
+    Join([opt]) raises NotImplementedError on every rank, before any collective (nothing hangs)."""
     for errors in spawn(unsupported_worker, 2, timeout_s=60):
         assert "needs overlap=False and delay=0" in errors[0] and "needs overlap=False and delay=0" in errors[1]
-        assert "LocalDistributedLion does not support torch.distributed.algorithms.Join" in errors[2]
+        assert "LocalDistributedLion(streaming=True): torch.distributed.algorithms.Join needs process_group=None" \
+            in errors[2]
 
 
 def schedule_worker(rank, world):
@@ -131,19 +133,20 @@ def _snapshot(params):
 
 
 class Snapshots(Joinable):
-    """Listed last in ``Join``: on a finished rank, the parameters after each step it shadowed
-    (after every other joinable's hook has run), so that they can be compared step by step."""
+    """Listed last in ``Join``: on a finished rank, the parameters (or what ``snap()`` returns) after
+    each step it shadowed (after every other joinable's hook has run), to compare step by step."""
 
-    def __init__(self, params):
+    def __init__(self, params, snap=None):
         super().__init__()
         self.params, self.seen = list(params), []
+        self.snap = snap or (lambda: _snapshot(self.params))
 
     def join_hook(self, **kwargs):
         outer = self
 
         class Record(JoinHook):
             def main_hook(self):
-                outer.seen.append(_snapshot(outer.params))
+                outer.seen.append(outer.snap())
 
         return Record()
 
@@ -341,3 +344,66 @@ def test_hierarchical_join_lets_ranks_and_whole_nodes_that_run_out_abstain():
             assert _equal(got["momenta"], want["momenta"])
             last = grads_for(rank, HIER_BATCHES[rank] - 1, False)
             assert all((g is None and w is None) or torch.equal(g, w) for g, w in zip(got["grads"], last))
+
+
+# -- LocalDistributedLion ---------------------------------------------------------------------
+LOCAL_CASES = [dict(H=3, batches=(6, 4, 5)),                 # ranks 1 and 2 run out in the middle of round 2
+               dict(H=3, batches=(7, 2, 5), vote="avg"),     # rank 1 in round 1 (abstains in all of round 2); 7:
+               dict(H=2, batches=(5, 3, 4), streaming=True)]  # a round unfinished at the end
+
+
+def local_join_worker(rank, world):
+    """Each case: this rank's batches[rank] steps inside ``Join([opt])``; after every step (a finished
+    rank's: every step it shadowed) the step count, the anchor and this rank's local parameters."""
+    out = []
+    for case in LOCAL_CASES:
+        params = [p.requires_grad_() for p in init_params(rank)]
+        opt = dlion.LocalDistributedLion(params, lr=LR, betas=BETAS, weight_decay=WD, sync_every=case["H"],
+                                         vote=case.get("vote", "mavo"), streaming=case.get("streaming", False),
+                                         comm="1bit", seed=3, check_every=1)
+
+        def snap():
+            local = _snapshot(params)
+            with opt.anchored():
+                return opt.step_count, _snapshot(params), local
+
+        probe = Snapshots(params, snap)
+        after = []
+        with Join([opt, probe]):
+            for t in range(case["batches"][rank]):
+                for p, g in zip(params, grads_for(rank, t, False)):
+                    p.grad = g
+                opt.step()
+                after.append(snap())
+        out.append(after + probe.seen)
+    return out
+
+
+def test_local_join_lets_ranks_that_run_out_mid_round_abstain():
+    """3 ranks, H = 3 with 6/4/5 batches (two ranks run out in the middle of round 2), H = 3 with 7/2/5 and
+    Avg (one rank runs out in round 1 and abstains in the whole of round 2; the third round is unfinished at
+    the end) and streaming with H = 2: inside ``Join([opt])`` every rank runs max(batches) steps; after every
+    step the anchor is bitwise equal on every rank, after every sync it equals the literal reference in which
+    each rank's missing steps have no gradient (it votes on the progress it made before it ran out and
+    abstains on the rest), and each rank's local parameters at the end equal that reference's. Before: Join
+    raised NotImplementedError for LocalDistributedLion; a finished rank that voted as if present (sign of a
+    zero progress is 0, but its residual would be updated) or skipped its share of S (the outer step α·S
+    differs: every rank raises on the digest) changes the anchor."""
+    from test_local import reference, reference_streaming
+
+    results = spawn(local_join_worker, 3, timeout_s=120)
+    for c, case in enumerate(LOCAL_CASES):
+        total, H = max(case["batches"]), case["H"]
+        if case.get("streaming"):
+            anchors, xs = reference_streaming(3, total, H, batches=case["batches"])
+        else:
+            anchors, xs = reference(3, total, H, vote=case.get("vote", "mavo"), batches=case["batches"])
+        assert sorted(anchors) == [t for t in range(1, total + 1) if t % H == 0]
+        for rank in range(3):
+            trace = results[rank][c]
+            assert [n for n, _, _ in trace] == list(range(1, total + 1)), (case, rank)
+            for t, (n, anchor, local) in enumerate(trace):
+                assert _equal(anchor, results[0][c][t][1]), (case, rank, n)
+                if n in anchors:
+                    assert _equal(anchor, anchors[n]), (case, rank, n)
+            assert _equal(trace[-1][2], xs[rank]), (case, rank)
