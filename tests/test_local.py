@@ -26,16 +26,17 @@ def lion_literal(x, m, g, lr, betas, wd):
     return x, m
 
 
-def worker_grads(i, t, dense=False, batches=None):
-    """Worker i's gradients at step t; with ``batches``, none at all once it has run out (t >= batches[i])."""
-    if batches is not None and t >= batches[i]:
+def worker_grads(i, t, dense=False, batches=None, missing=()):
+    """Worker i's gradients at step t; none at all once it has run out (t >= batches[i]) or where
+    (i, t) is in ``missing``."""
+    if (batches is not None and t >= batches[i]) or (i, t) in missing:
         return [None] * len(SHAPES)
     return grads_for(i, t, dense)
 
 
-def reference(world, steps, H, vote="mavo", ef=True, alpha=1.0, dense=False, batches=None):
-    """Every worker's local parameters after each step, and the anchor after each sync; with
-    ``batches``, worker i has no gradient at all from step batches[i] on."""
+def reference(world, steps, H, vote="mavo", ef=True, alpha=1.0, dense=False, batches=None, missing=()):
+    """Every worker's local parameters after each step, and the anchor after each sync; worker i has
+    no gradient at all from step batches[i] on (``batches``) and at the steps (i, t) in ``missing``."""
     x0 = init_params(0)  # rank 0's: the optimizer broadcasts them
     anchor = [p.clone() for p in x0]
     xs = [[p.clone() for p in x0] for _ in range(world)]
@@ -47,7 +48,7 @@ def reference(world, steps, H, vote="mavo", ef=True, alpha=1.0, dense=False, bat
     for t in range(steps):
         S += LR
         for i in range(world):
-            for j, g in enumerate(worker_grads(i, t, dense, batches)):
+            for j, g in enumerate(worker_grads(i, t, dense, batches, missing)):
                 if g is not None:
                     xs[i][j], ms[i][j] = lion_literal(xs[i][j], ms[i][j], g, LR, BETAS, WD)
                     touched[i][j] = True

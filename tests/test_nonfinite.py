@@ -1,7 +1,8 @@
 """One bad batch (inf in one step, NaN in another, on one rank) must cost that step only:
 every rank skips it, no momentum takes the bad gradient, the next step trains normally and the
 replicas stay bitwise equal — for the DDP communication hook, DistributedLion and
-HierarchicalDistributedLion (LocalDistributedLion: tests/test_local.py)."""
+HierarchicalDistributedLion; for LocalDistributedLion, whose inner steps are local, the bad rank
+skips its own local step and the ranks agree at every sync (more in tests/test_local.py)."""
 
 import warnings
 
@@ -170,3 +171,58 @@ def test_distributed_lion_skips_a_bad_batch_on_every_rank_and_recovers():
 
 def test_hierarchical_lion_skips_a_bad_batch_on_every_rank_and_recovers():
     _check_optimizer(spawn(hier_worker, 4, timeout_s=120))
+
+
+def local_worker(rank, world):
+    """LocalDistributedLion, H = 2: after every step this rank's parameters, momenta and skip count;
+    after every sync the anchor."""
+    params = [p.requires_grad_() for p in init_params(rank)]
+    opt = dlion.LocalDistributedLion(params, lr=LR, betas=BETAS, weight_decay=WD, sync_every=2, comm="1bit")
+    trace, anchors = [], {}
+    for t in range(STEPS):
+        for p, g in zip(params, grads_for(rank, t, True)):
+            p.grad = g
+        if rank == 1 and t in BAD:
+            params[-1].grad[3, 3] = BAD[t]
+        before = _snapshot_all(params, opt)
+        opt.step()
+        now = _snapshot_all(params, opt)
+        trace.append((now, opt.skipped_steps, before))
+        if opt.step_count % 2 == 0:
+            with opt.anchored():
+                anchors[opt.step_count] = [p.detach().clone() for p in params]
+    return trace, anchors
+
+
+def _snapshot_all(params, opt):
+    return ([p.detach().clone() for p in params], [opt.state[p]["exp_avg"].clone() for p in params
+                                                   if "exp_avg" in opt.state[p]])
+
+
+def test_local_lion_skips_a_bad_batch_on_its_rank_and_every_rank_agrees_at_the_syncs():
+    """inf at step 2 and NaN at step 4 on rank 1 (3 ranks, H = 2, steps 2 and 4 open a round): rank 1
+    skips that local step (its parameters, weight decay included, and momenta unchanged; skipped_steps
+    counts 2), the other ranks step, every rank's next step trains and everything stays finite; after
+    every sync the anchors are bitwise equal on every rank and equal the literal reference in which
+    rank 1 had no gradient at steps 2 and 4. Catches a finiteness check dropped from the local step
+    (the momentum takes the inf: NaN from then on) and a skipped step that still applies the weight
+    decay (tests/test_local.py only compared two ranks at the one sync of a three-step run)."""
+    from test_local import reference
+
+    results = spawn(local_worker, 3, timeout_s=60)
+    anchors, _ = reference(3, STEPS, 2, dense=True, missing={(1, t) for t in BAD})
+    assert sorted(anchors) == [2, 4, 6]
+    for rank, (trace, got) in enumerate(results):
+        assert trace[-1][1] == (len(BAD) if rank == 1 else 0)
+        for t, ((params, moms), _, (before, m_before)) in enumerate(trace):
+            assert all(bool(torch.isfinite(x).all()) for x in params + moms), (rank, t)
+            unchanged = all(torch.equal(a, b) for a, b in zip(params, before))
+            kept = len(moms) == len(m_before) and all(torch.equal(a, b) for a, b in zip(moms, m_before))
+            if rank == 1 and t in BAD:
+                assert unchanged and kept, t
+            elif (t + 1) % 2:  # (a sync step resets x to the anchor: compare the steps inside a round)
+                assert not unchanged and not kept, (rank, t)
+        assert sorted(got) == sorted(anchors)
+        for n, want in anchors.items():
+            assert all(torch.equal(a, b) for a, b in zip(got[n], want)), (rank, n)
+            assert all(torch.equal(a, b) for a, b in zip(got[n], results[0][1][n])), (rank, n)
