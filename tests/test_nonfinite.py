@@ -74,8 +74,8 @@ def _check(results, skipped):
 @pytest.mark.parametrize("comm, fused", [("1bit", False), ("allgather", True), ("pbit", False)])
 def test_ddp_hook_skips_a_bad_batch_on_every_rank_and_recovers(comm, fused):
     """Until 2026-11-26 the hook updated the momentum before knowing the outcome: rank 1's
-    momentum took the inf, and every later step was skipped on every rank, silently. Until the
-    join37 change ApplyDelta still applied the weight decay x·(1 − η·λ) to a skipped bucket's
+    momentum took the inf, and every later step was skipped on every rank, silently. Later on
+    2026-11-26 ApplyDelta still applied the weight decay x·(1 − η·λ) to a skipped bucket's
     parameters (it saw Δ = 0, not the skip): a skipped step must leave them unchanged."""
     results = spawn(hook_worker, 3, comm, fused, timeout_s=120)
     _check(results, len(BAD))
