@@ -386,9 +386,9 @@ def test_local_join_lets_ranks_that_run_out_mid_round_abstain():
     step the anchor is bitwise equal on every rank, after every sync it equals the literal reference in which
     each rank's missing steps have no gradient (it votes on the progress it made before it ran out and
     abstains on the rest), and each rank's local parameters at the end equal that reference's. Before: Join
-    raised NotImplementedError for LocalDistributedLion; a finished rank that voted as if present (sign of a
-    zero progress is 0, but its residual would be updated) or skipped its share of S (the outer step α·S
-    differs: every rank raises on the digest) changes the anchor."""
+    raised NotImplementedError for LocalDistributedLion. Mutations checked: a finished rank that votes as if
+    present in the rounds after it ran out (the sign of its residual) changes the anchor; one whose shadow
+    steps leave their lr out of S makes every rank raise on the digest (α·S differs)."""
     from test_local import reference, reference_streaming
 
     results = spawn(local_join_worker, 3, timeout_s=120)
