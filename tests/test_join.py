@@ -279,7 +279,8 @@ def test_ddp_hook_join_in_the_wrong_order_or_without_the_hook_raises_on_every_ra
     for errors, params in results:
         assert "must come after the DistributedDataParallel model" in errors[0]
         assert "must come after the DistributedDataParallel model" in errors[1]
-        assert "only together with the DistributedDataParallel model whose communication hook is dlion_hook" in errors[2]
+        assert "only together with the DistributedDataParallel model whose communication hook is dlion_hook" \
+            in errors[2]
         assert _equal(params, results[0][1])
 
 
