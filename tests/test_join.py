@@ -320,7 +320,8 @@ def hier_join_worker(rank, world, joined):
                 opt.step()
                 after.append(_snapshot(params))
         opt.check_replicas()
-        out.append(dict(after=after, steps=opt.step_count, momenta=[buf.momentum.clone() for buf in opt._sbufs],
+        momenta = opt.state_dict()["dlion"]["hierarchical"]["momentum"]  # this rank's slices of its node's
+        out.append(dict(after=after, steps=opt.step_count, momenta=momenta,
                         grads=[None if p.grad is None else p.grad.clone() for p in params]))
     return out
 
