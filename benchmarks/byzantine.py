@@ -41,7 +41,7 @@ def worker(rank, world, data, configs, steps, eval_every, lr, batch):
         if rank < cfg["k"]:
             hook = faults.random_signs(seed=1000 * cfg["seed"] + rank) if cfg["fault"] == "random_signs" \
                 else faults.make(cfg["fault"])
-        opt = dlion.DistributedLion(model.parameters(), lr=lr, vote=cfg["vote"], sign_hook=hook, check_every=50)
+        opt = dlion.DistributedLion(model.named_parameters(), lr=lr, vote=cfg["vote"], sign_hook=hook, check_every=50)
         g = torch.Generator().manual_seed(10_000 * cfg["seed"] + rank)
         curve = []
         for t in range(1, steps + 1):

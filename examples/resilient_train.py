@@ -98,7 +98,7 @@ def train(args, restart: int = 0) -> None:
     xtr, xte = xtr.flatten(1), xte.flatten(1)
     torch.manual_seed(args.seed)
     model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
-    opt = dlion.DistributedLion(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, vote=args.vote,
+    opt = dlion.DistributedLion(model.named_parameters(), lr=args.lr, weight_decay=args.weight_decay, vote=args.vote,
                                 check_every=args.checkpoint_every)
 
     start = 0

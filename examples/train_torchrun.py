@@ -62,7 +62,7 @@ x_train, y_train, x_test, y_test = (t.to(device) for t in load_digits_split(seed
 # model and optimizer: DistributedLion broadcasts rank 0's parameters at construction
 torch.manual_seed(args.seed)
 model = DigitsCNN().to(device)
-opt = dlion.DistributedLion(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, vote=args.vote)
+opt = dlion.DistributedLion(model.named_parameters(), lr=args.lr, weight_decay=args.weight_decay, vote=args.vote)
 if master:
     print(f"{world} rank(s), backend {backend if ddp else 'none'}, device {device.type}, "
           f"{opt.num_params:,} parameters, vote={args.vote}")

@@ -26,8 +26,17 @@ def lion_literal(x, m, g, lr, betas, wd):
     return x, m
 
 
-def reference(world, steps, H, vote="mavo", ef=True, alpha=1.0, dense=False):
-    """Every worker's local parameters after each step, and the anchor after each sync."""
+def worker_grads(i, t, dense=False, batches=None, missing=()):
+    """Worker i's gradients at step t; none at all once it has run out (t >= batches[i]) or where
+    (i, t) is in ``missing``."""
+    if (batches is not None and t >= batches[i]) or (i, t) in missing:
+        return [None] * len(SHAPES)
+    return grads_for(i, t, dense)
+
+
+def reference(world, steps, H, vote="mavo", ef=True, alpha=1.0, dense=False, batches=None, missing=()):
+    """Every worker's local parameters after each step, and the anchor after each sync; worker i has
+    no gradient at all from step batches[i] on (``batches``) and at the steps (i, t) in ``missing``."""
     x0 = init_params(0)  # rank 0's: the optimizer broadcasts them
     anchor = [p.clone() for p in x0]
     xs = [[p.clone() for p in x0] for _ in range(world)]
@@ -39,7 +48,7 @@ def reference(world, steps, H, vote="mavo", ef=True, alpha=1.0, dense=False):
     for t in range(steps):
         S += LR
         for i in range(world):
-            for j, g in enumerate(grads_for(i, t, dense)):
+            for j, g in enumerate(worker_grads(i, t, dense, batches, missing)):
                 if g is not None:
                     xs[i][j], ms[i][j] = lion_literal(xs[i][j], ms[i][j], g, LR, BETAS, WD)
                     touched[i][j] = True
@@ -64,7 +73,7 @@ def reference(world, steps, H, vote="mavo", ef=True, alpha=1.0, dense=False):
     return anchors, xs
 
 
-def reference_streaming(world, steps, H, vote="mavo", ef=True, alpha=1.0):
+def reference_streaming(world, steps, H, vote="mavo", ef=True, alpha=1.0, batches=None):
     """Streaming: round r's vote is applied at the end of round r + 1, replacing each worker's own
     progress of round r; returns the anchor after each round's end and every worker's parameters
     at the end (before any flush)."""
@@ -80,7 +89,7 @@ def reference_streaming(world, steps, H, vote="mavo", ef=True, alpha=1.0):
     for t in range(steps):
         S += LR
         for i in range(world):
-            for j, g in enumerate(grads_for(i, t, False)):
+            for j, g in enumerate(worker_grads(i, t, False, batches)):
                 if g is not None:
                     xs[i][j], ms[i][j] = lion_literal(xs[i][j], ms[i][j], g, LR, BETAS, WD)
                     touched[i][j] = True

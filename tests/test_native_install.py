@@ -229,6 +229,9 @@ def _one_rank_without_a_compiler(rank, world, tmp):
     for _ in range(2):
         opt.step()
     compiled_nothing = not os.path.exists(cache) and not os.path.exists(log) and not kernels.available()
+    # every rank has looked before rank 1 starts its $CC below (it writes the shared log): without this a
+    # loaded machine let rank 1 get there first and another rank see the log ("compiled" on fused=False)
+    torch.distributed.barrier()
     errors = []
     for make in (lambda: dlion.DistributedLion(_params(), lr=0.1, fused=True),
                  lambda: dlion.HierarchicalDistributedLion(_params(), lr=0.1, fused=True,

@@ -1,7 +1,8 @@
 """One bad batch (inf in one step, NaN in another, on one rank) must cost that step only:
 every rank skips it, no momentum takes the bad gradient, the next step trains normally and the
 replicas stay bitwise equal — for the DDP communication hook, DistributedLion and
-HierarchicalDistributedLion (LocalDistributedLion: tests/test_local.py)."""
+HierarchicalDistributedLion; for LocalDistributedLion, whose inner steps are local, the bad rank
+skips its own local step and the ranks agree at every sync (more in tests/test_local.py)."""
 
 import warnings
 
@@ -48,22 +49,22 @@ def hook_worker(rank, world, comm, fused):
         _loss(ddp(x), y, BAD.get(t) if rank == 1 else None).backward()
         opt.step()
         params = [p.detach().clone() for p in model.parameters()]
-        decayed_only = all(torch.equal(p, b.mul(1.0 - LR * WD)) for p, b in zip(params, before))
+        unchanged = all(torch.equal(p, b) for p, b in zip(params, before))
         momenta_kept = bool(m_before) and all(torch.equal(state.momenta[i], m) for i, m in m_before.items())
         momenta_finite = all(bool(torch.isfinite(m).all()) for m in state.momenta.values())
-        trace.append((params, decayed_only, momenta_kept, momenta_finite))
+        trace.append((params, unchanged, momenta_kept, momenta_finite))
     return trace, state.skipped_steps, state.skipped_buckets
 
 
 def _check(results, skipped):
     for trace, *counts in results:
         assert counts[0] == len(BAD), counts
-        for t, (_, decayed_only, momenta_kept, momenta_finite) in enumerate(trace):
+        for t, (_, unchanged, momenta_kept, momenta_finite) in enumerate(trace):
             assert momenta_finite, t
-            if t in BAD:  # skipped on every rank: no Δ, no momentum update anywhere
-                assert decayed_only and momenta_kept, t
+            if t in BAD:  # skipped on every rank: no Δ, no weight decay, no momentum update anywhere
+                assert unchanged and momenta_kept, t
             else:  # the steps after a bad one train normally
-                assert not decayed_only and not momenta_kept, t
+                assert not unchanged and not momenta_kept, t
     for trace, *_ in results[1:]:
         for (params, *_), (ref, *_) in zip(trace, results[0][0]):
             assert all(torch.equal(a, b) for a, b in zip(params, ref))
@@ -73,7 +74,9 @@ def _check(results, skipped):
 @pytest.mark.parametrize("comm, fused", [("1bit", False), ("allgather", True), ("pbit", False)])
 def test_ddp_hook_skips_a_bad_batch_on_every_rank_and_recovers(comm, fused):
     """Until 2026-11-26 the hook updated the momentum before knowing the outcome: rank 1's
-    momentum took the inf, and every later step was skipped on every rank, silently."""
+    momentum took the inf, and every later step was skipped on every rank, silently. Later on
+    2026-11-26 ApplyDelta still applied the weight decay x·(1 − η·λ) to a skipped bucket's
+    parameters (it saw Δ = 0, not the skip): a skipped step must leave them unchanged."""
     results = spawn(hook_worker, 3, comm, fused, timeout_s=120)
     _check(results, len(BAD))
     for _, _, buckets in results:
@@ -168,3 +171,58 @@ def test_distributed_lion_skips_a_bad_batch_on_every_rank_and_recovers():
 
 def test_hierarchical_lion_skips_a_bad_batch_on_every_rank_and_recovers():
     _check_optimizer(spawn(hier_worker, 4, timeout_s=120))
+
+
+def local_worker(rank, world):
+    """LocalDistributedLion, H = 2: after every step this rank's parameters, momenta and skip count;
+    after every sync the anchor."""
+    params = [p.requires_grad_() for p in init_params(rank)]
+    opt = dlion.LocalDistributedLion(params, lr=LR, betas=BETAS, weight_decay=WD, sync_every=2, comm="1bit")
+    trace, anchors = [], {}
+    for t in range(STEPS):
+        for p, g in zip(params, grads_for(rank, t, True)):
+            p.grad = g
+        if rank == 1 and t in BAD:
+            params[-1].grad[3, 3] = BAD[t]
+        before = _snapshot_all(params, opt)
+        opt.step()
+        now = _snapshot_all(params, opt)
+        trace.append((now, opt.skipped_steps, before))
+        if opt.step_count % 2 == 0:
+            with opt.anchored():
+                anchors[opt.step_count] = [p.detach().clone() for p in params]
+    return trace, anchors
+
+
+def _snapshot_all(params, opt):
+    return ([p.detach().clone() for p in params], [opt.state[p]["exp_avg"].clone() for p in params
+                                                   if "exp_avg" in opt.state[p]])
+
+
+def test_local_lion_skips_a_bad_batch_on_its_rank_and_every_rank_agrees_at_the_syncs():
+    """inf at step 2 and NaN at step 4 on rank 1 (3 ranks, H = 2, steps 2 and 4 open a round): rank 1
+    skips that local step (its parameters, weight decay included, and momenta unchanged; skipped_steps
+    counts 2), the other ranks step, every rank's next step trains and everything stays finite; after
+    every sync the anchors are bitwise equal on every rank and equal the literal reference in which
+    rank 1 had no gradient at steps 2 and 4. Catches a finiteness check dropped from the local step
+    (the momentum takes the inf: NaN from then on) and a skipped step that still applies the weight
+    decay (tests/test_local.py only compared two ranks at the one sync of a three-step run)."""
+    from test_local import reference
+
+    results = spawn(local_worker, 3, timeout_s=60)
+    anchors, _ = reference(3, STEPS, 2, dense=True, missing={(1, t) for t in BAD})
+    assert sorted(anchors) == [2, 4, 6]
+    for rank, (trace, got) in enumerate(results):
+        assert trace[-1][1] == (len(BAD) if rank == 1 else 0)
+        for t, ((params, moms), _, (before, m_before)) in enumerate(trace):
+            assert all(bool(torch.isfinite(x).all()) for x in params + moms), (rank, t)
+            unchanged = all(torch.equal(a, b) for a, b in zip(params, before))
+            kept = len(moms) == len(m_before) and all(torch.equal(a, b) for a, b in zip(moms, m_before))
+            if rank == 1 and t in BAD:
+                assert unchanged and kept, t
+            elif (t + 1) % 2:  # (a sync step resets x to the anchor: compare the steps inside a round)
+                assert not unchanged and not kept, (rank, t)
+        assert sorted(got) == sorted(anchors)
+        for n, want in anchors.items():
+            assert all(torch.equal(a, b) for a, b in zip(got[n], want)), (rank, n)
+            assert all(torch.equal(a, b) for a, b in zip(got[n], results[0][1][n])), (rank, n)

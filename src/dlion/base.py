@@ -34,6 +34,7 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.algorithms.join import Join, JoinHook, Joinable
 
 from . import kernels
 from .buckets import Bucket, RankBuffers, bucket_caps
@@ -146,7 +147,23 @@ _KINDS = {
 }
 
 
-class DistributedBase(Lion):
+class _ShadowSteps(JoinHook):
+    """``torch.distributed.algorithms.Join``: a rank that has run out of data answers each step of
+    the ranks still training with a step of its own without gradients (it abstains on every
+    parameter) and applies the same Δ, so the replicas stay bitwise identical."""
+
+    def __init__(self, opt: "DistributedBase"):
+        self.opt = opt
+
+    def main_hook(self) -> None:
+        self.opt._shadow_step()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        if self.opt.check_every:  # (every rank runs the post-hooks, once all have joined)
+            self.opt.check_replicas()
+
+
+class DistributedBase(Lion, Joinable):
     """The common base of dlion's distributed optimizers (see the module's docstring).
 
     Subclasses call ``super().__init__`` with the shared options, set ``world_size``, ``rank``
@@ -173,6 +190,8 @@ class DistributedBase(Lion):
     ):
         check_options(comm, aggregate, vote, quant_norm, quant_bits, momentum_sync, bucket_cap_mb,
                       check_every, nonfinite, sign_hook)
+        Joinable.__init__(self)  # a disabled join config until a Join context manager sets one
+        self._shadowing = False  # a Join shadow step is running (_shadow_step)
         params = reject_unsupported(params)
         self._agree_on_kernels = True  # (fused=True: in _start, on every rank at once)
         super().__init__(params, lr, betas, weight_decay, maximize=maximize, foreach=foreach,
@@ -430,6 +449,43 @@ class DistributedBase(Lion):
                           "inf/NaN gradients; training is not progressing (check that rank's data and loss "
                           "scale, or use nonfinite='raise').", RuntimeWarning, stacklevel=5)
         return True
+
+    # -- uneven inputs: torch.distributed.algorithms.Join -------------------------------
+    def _announce(self):
+        """Inside ``Join``: tell the context manager that this rank is still training (one all-reduce on
+        the join group, issued before the step's collectives); None outside a Join context and in a
+        shadow step."""
+        return None if self._shadowing else Join.notify_join_context(self)
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        """The hook ``Join`` runs on a rank that has run out of data, once per step of the ranks still
+        training: a step without gradients (:meth:`_shadow_step`). A driver refuses what it cannot shadow."""
+        return _ShadowSteps(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._params[0].device if self._params else torch.device("cpu")
+
+    @property
+    def join_process_group(self):
+        group = getattr(self, "process_group", None)
+        return group if group is not None else dist.group.WORLD
+
+    @torch.no_grad()
+    def _shadow_step(self) -> None:
+        """A step with no gradient on this rank: the same collectives as the other ranks' step, this rank
+        abstaining everywhere (the hierarchical optimizer: a zero in its node's mean), then the agreed Δ
+        like every rank. Its own ``.grad`` are put back afterwards."""
+        saved = [p.grad for p in self._params]
+        for p in self._params:
+            p.grad = None
+        self._shadowing = True
+        try:
+            self.step()
+        finally:
+            self._shadowing = False
+            for p, g in zip(self._params, saved):
+                p.grad = g
 
     # -- replicas ---------------------------------------------------------------------
     def _all_gather_rows(self, row: Tensor) -> Tensor:

@@ -49,7 +49,7 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.algorithms.join import Join, JoinHook, Joinable
+from torch.distributed.algorithms.join import JoinHook
 from torch.profiler import record_function
 
 from .base import BucketState, DistributedBase, momentum_sync_due
@@ -118,23 +118,7 @@ class _Settled:
         self.borrowed = [None] * buckets
 
 
-class _ShadowSteps(JoinHook):
-    """``torch.distributed.algorithms.Join``: a rank that has run out of data answers each step of
-    the ranks still training with a step of its own without gradients (it abstains on every
-    parameter) and applies the same Δ, so the replicas stay bitwise identical."""
-
-    def __init__(self, opt: "DistributedLion"):
-        self.opt = opt
-
-    def main_hook(self) -> None:
-        self.opt._shadow_step()
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        if self.opt.check_every:  # (every rank runs the post-hooks, once all have joined)
-            self.opt.check_replicas()
-
-
-class DistributedLion(DistributedBase, Joinable):
+class DistributedLion(DistributedBase):
     """Distributed Lion: a drop-in ``torch.optim.Optimizer`` for data-parallel training.
 
     Use it *instead of* DDP's gradient all-reduce: each rank calls
@@ -244,8 +228,6 @@ class DistributedLion(DistributedBase, Joinable):
         if delay and overlap:
             raise ValueError("delay=1 already overlaps each step's whole exchange with the next forward and "
                              "backward; it cannot be combined with overlap=True's gradient hooks.")
-        Joinable.__init__(self)  # a disabled join config until a Join context manager sets one
-        self._shadowing = False  # a Join shadow step is running (_shadow_step)
         super().__init__(params, lr, betas, weight_decay, vote=vote, ties=ties, comm=comm, aggregate=aggregate,
                          quant_norm=quant_norm, quant_bits=quant_bits, momentum_sync=momentum_sync,
                          bucket_cap_mb=bucket_cap_mb, seed=seed, check_every=check_every, nonfinite=nonfinite,
@@ -381,7 +363,7 @@ class DistributedLion(DistributedBase, Joinable):
         runs a local step instead, and a round's exchange after every H of them)."""
         # Inside torch.distributed.algorithms.Join: say "still training" (one all-reduce on the
         # process group, before this step's collectives; nothing outside a Join context)
-        joined = None if self._shadowing else Join.notify_join_context(self)
+        joined = self._announce()
         loss = self._evaluate(closure)
         self._check_frozen()
         if self.delay:
@@ -405,32 +387,7 @@ class DistributedLion(DistributedBase, Joinable):
                 f"{type(self).__name__}: torch.distributed.algorithms.Join needs overlap=False and delay=0 (with "
                 "overlap=True a bucket's collectives start during backward, before step() can tell Join that this "
                 "rank is still training; with delay=1 the exchange runs on a thread of its own).")
-        return _ShadowSteps(self)
-
-    @property
-    def join_device(self) -> torch.device:
-        return self._params[0].device if self._params else torch.device("cpu")
-
-    @property
-    def join_process_group(self):
-        return self.process_group if self.process_group is not None else dist.group.WORLD
-
-    @torch.no_grad()
-    def _shadow_step(self) -> None:
-        """A step with no gradient on this rank: the same buckets, algorithms and collectives as
-        the other ranks' step, contributing nothing (``has_grad`` all False: it abstains on every
-        parameter), then applying the agreed Δ (weight decay included) like every rank. Its own
-        ``.grad`` are put back afterwards; its momenta do not change."""
-        saved = [p.grad for p in self._params]
-        for p in self._params:
-            p.grad = None
-        self._shadowing = True
-        try:
-            self.step()
-        finally:
-            self._shadowing = False
-            for p, g in zip(self._params, saved):
-                p.grad = g
+        return super().join_hook(**kwargs)
 
     def _exchange(self, step_no: int) -> None:
         """Contribute every bucket not yet issued, run the collectives, apply Δ (or raise on every rank)."""

@@ -36,6 +36,7 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.algorithms.join import JoinHook
 
 from .base import BucketState, DistributedBase, momentum_sync_due
 from .buckets import Bucket, RankBuffers, Scratch, apply_scaled_delta, contribute, layout_buckets, rebind_groups, \
@@ -139,6 +140,11 @@ class HierarchicalDistributedLion(DistributedBase):
     momentum values this rank holds (≈ 1/L of the trainable parameters).
     Not supported (raise): ``overlap``, ``sign_hook``, ``torch.amp.GradScaler``,
     ``add_param_group`` after construction.
+
+    Uneven inputs: ``with torch.distributed.algorithms.Join([opt]):`` around the loop; a rank that
+    has run out of batches answers every later step with a step without gradients (a zero in its
+    node's mean, as a ``.grad`` of None always is; a node whose ranks have all finished abstains),
+    so nothing hangs and the replicas stay identical (:meth:`join_hook`).
     """
 
     def __init__(
@@ -246,6 +252,7 @@ class HierarchicalDistributedLion(DistributedBase):
                                "autocast (no scaler) or use dlion.DistributedLion.")
         if self.world_size == 1:
             return self._local_step(closure)
+        joined = self._announce()  # (Join: "still training", before this step's collectives)
         loss = self._evaluate(closure)
         self._check_frozen()
         step_no = self.step_count
@@ -284,6 +291,8 @@ class HierarchicalDistributedLion(DistributedBase):
             work.wait()
             rows.append(got.view(L, -1))
         self._finish(step_no, flights, rows, presents, errors)
+        if joined is not None:
+            joined.wait()
         return loss
 
     def _fill_send(self, k: int) -> Optional[Exception]:
@@ -408,6 +417,21 @@ class HierarchicalDistributedLion(DistributedBase):
         if self.world_size == 1 or self.num_nodes == 1:
             return
         average_momenta([s.buffers for s in self._slots], self._inter, self.num_nodes)
+
+    # -- uneven inputs: torch.distributed.algorithms.Join ---------------------------
+    def join_hook(self, **kwargs) -> JoinHook:
+        """The hook ``Join`` runs on a rank that has run out of data, once per step of the ranks still
+        training: a step without gradients (:meth:`_shadow_step`). Needs a mesh of every rank of the job."""
+        if self.mesh is not None and self.mesh.size() != dist.get_world_size():
+            raise NotImplementedError(
+                f"HierarchicalDistributedLion: torch.distributed.algorithms.Join needs a mesh of every rank of the job "
+                f"(its own all-reduces run on the world group); this mesh has {self.mesh.size()} of "
+                f"{dist.get_world_size()} ranks.")
+        return super().join_hook(**kwargs)
+
+    @property
+    def join_process_group(self):
+        return dist.group.WORLD
 
     # -- checkpointing ----------------------------------------------------------
     def _record(self) -> dict:

@@ -32,6 +32,7 @@ from typing import Iterable, Optional
 
 import torch
 from torch import Tensor
+from torch.distributed.algorithms.join import JoinHook
 
 from .buckets import Bucket, Contributed, all_finite, apply_codes
 from .distributed import DistributedLion, _InFlight, _Step
@@ -82,6 +83,16 @@ class LocalDistributedLion(DistributedLion):
     rank skips its own overflowing steps (its scale is its own: the inner loops are local).
     ``overlap``, ``delay`` and ``momentum_sync`` do not apply (there is nothing to hide
     behind backward but one exchange per round, and the momenta are never averaged).
+
+    Uneven inputs: ``with torch.distributed.algorithms.Join([opt]):`` around the loop. Inside it
+    every ``step()`` tells the context manager that this rank still trains (one small all-reduce
+    per step, local steps included); a rank that has run out of batches answers each later step
+    with a step without gradients: a local step that changes nothing (its lr still counts in the
+    round's S), and at the end of the round the exchange, in which it votes on what it did in that
+    round before it ran out (its progress from the anchor) and abstains on what it did not touch —
+    in every later round on everything. It applies the same outer step, so the anchor and, after
+    each sync, the parameters stay bitwise identical on every rank. ``streaming=True`` needs the
+    default process group (``process_group=None``) for that.
     """
 
     def __init__(
@@ -243,13 +254,17 @@ class LocalDistributedLion(DistributedLion):
         else:
             self._update_residual(k, present)
 
-    def join_hook(self, **kwargs):
-        """Not supported: ``torch.distributed.algorithms.Join`` needs a collective in every step, and
-        a round talks once every ``sync_every`` steps."""
-        raise NotImplementedError(
-            "LocalDistributedLion does not support torch.distributed.algorithms.Join (uneven inputs): its ranks "
-            "talk once per round, not once per step. Give every rank the same number of steps (e.g. drop the last "
-            "batches, or stop every rank at the shortest shard's length).")
+    def join_hook(self, **kwargs) -> JoinHook:
+        """The hook ``Join`` runs on a rank that has run out of data, once per step of the ranks still
+        training: a step without gradients (the class docstring). With ``streaming=True`` the round's
+        later collectives leave from the exchange thread, which shares no process group with ``Join``'s
+        all-reduces only on the default group."""
+        if self.streaming and self.process_group is not None and self.world_size > 1:
+            raise NotImplementedError(
+                "LocalDistributedLion(streaming=True): torch.distributed.algorithms.Join needs process_group=None "
+                "(the exchange thread then sends on a process group of its own; on an explicit group its "
+                "collectives could interleave with Join's all-reduces in another order on each rank).")
+        return super().join_hook(**kwargs)
 
     # -- the step ----------------------------------------------------------------
     def _local_step(self, closure):
@@ -260,12 +275,20 @@ class LocalDistributedLion(DistributedLion):
 
     def _step_ranks(self, closure):
         """A local step on every rank; after every H of them, the round's exchange."""
+        return self._step_and_sync(closure)
+
+    def _step_and_sync(self, closure, skip: bool = False):
+        """One local step (``skip``: a GradScaler overflow), then the round's exchange when it ends;
+        inside ``Join``, announced first (one all-reduce; nothing in a shadow step or outside Join)."""
+        joined = self._announce()
         loss = self._evaluate(closure)
         self._check_frozen()
-        self._inner_step()
+        self._inner_step(skip=skip)
         self._tick()
         if self.step_count % self.sync_every == 0:
             self._end_round()
+        if joined is not None:
+            joined.wait()
         return loss
 
     def _end_round(self) -> None:
@@ -363,13 +386,7 @@ class LocalDistributedLion(DistributedLion):
                 self._tick()
                 return None
             return self.step(closure)
-        loss = self._evaluate(closure)
-        self._check_frozen()
-        self._inner_step(skip=found)
-        self._tick()
-        if self.step_count % self.sync_every == 0:
-            self._end_round()
-        return loss
+        return self._step_and_sync(closure, skip=found)
 
     def _load_pending(self, pending: dict) -> None:
         """Streaming: the round in flight when the state was saved is applied by the next round's end."""

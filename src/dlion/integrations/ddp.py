@@ -42,8 +42,25 @@ What differs from :class:`dlion.DistributedLion` (all consequences of DDP's hook
   rank's backward raise instead (``FloatingPointError`` inside DDP's error), with no
   momentum changed; after ``state.warn_after_skips`` (10) skipping steps in a row a
   ``RuntimeWarning`` names the rank(s), as :class:`dlion.DistributedLion` does.
-  ``ApplyDelta`` still applies the weight decay x·(1 − η·λ) to a skipped bucket's
-  parameters (it sees Δ = 0, not the skip).
+  :class:`ApplyDelta` leaves a skipped bucket's parameters unchanged, weight decay
+  included (the hook state tells it which were skipped), as a skipped step of
+  :class:`dlion.DistributedLion` does.
+* **Uneven inputs**: ``with Join([ddp, opt]):`` (``torch.distributed.algorithms.Join``,
+  the DDP model first, then :class:`ApplyDelta`). DDP's own join hook shadows a finished
+  rank's backward by running the registered hook on zero buckets
+  (``DistributedDataParallel._match_all_reduce_for_bwd_pass``); :func:`dlion_hook` tells
+  that call from a real backward (it runs outside autograd's backward) and makes the rank
+  *abstain* there (it sends no vote, its momentum does not change; zeros would have voted
+  sign(β1·m)), and keeps the agreed Δ, which :class:`ApplyDelta`'s own join hook then
+  applies: every rank's parameters stay bitwise equal after every step, equal to
+  :class:`dlion.DistributedLion`'s in which the finished rank's missing steps have no
+  gradient. ``Join([ddp])`` alone leaves the finished rank's parameters behind until DDP's
+  final broadcast (equal again at the end); ``Join([opt, ddp])`` and ``Join([opt])``
+  raise ``ValueError`` on every rank when the context manager is built. One exception to
+  "after every step": with ``find_unused_parameters=True``, a parameter that *no* rank used
+  in a step keeps ``.grad`` None on the ranks still training (DDP does not write it), so
+  they leave it, while the finished rank cannot tell and applies that step's Δ to it; DDP's
+  final broadcast makes it equal again when the context manager exits.
 * The momenta live in the hook state: save them per rank with
   ``state.state_dict()`` / ``load_state_dict`` next to the optimizer's.
 """
@@ -51,11 +68,13 @@ What differs from :class:`dlion.DistributedLion` (all consequences of DDP's hook
 import itertools
 import threading
 import warnings
+import weakref
 from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.algorithms.join import JoinHook, Joinable
 
 from .. import kernels
 from ..vote import VoteRule, coin_key
@@ -67,6 +86,15 @@ from ..lion import check_hyperparameters, check_momentum_dtype, lion_momentum_up
 __all__ = ["DLionHookState", "dlion_hook", "ApplyDelta", "per_bucket_groups"]
 
 _HOOK_COMMS = ("1bit", "allgather", "pbit")
+
+#: every live DLionHookState (ApplyDelta finds the states that vote on its parameters here)
+_STATES: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _states_of(params: Iterable) -> list:
+    """The live :class:`DLionHookState` objects that vote on any of ``params``."""
+    ids = {id(p) for p in params}
+    return [s for s in list(_STATES) if not ids.isdisjoint(s._param_ids)]
 
 
 def per_bucket_groups(model: torch.nn.Module, bucket_cap_mb: Optional[float] = None, process_group=None) -> list:
@@ -119,6 +147,13 @@ class DLionHookState:
         self.algorithm = make_algorithm(comm, self.rule)
         self.comm, self.seed = comm, seed
         self.index = {p: i for i, p in enumerate(model.parameters())}
+        self.params = list(self.index)
+        self._param_ids = {id(p) for p in self.params}
+        _STATES.add(self)  # (ApplyDelta asks it which of its parameters' buckets were skipped)
+        #: step -> indices of the parameters of the buckets skipped in that step (non-finite somewhere)
+        self._skipped: dict = {}
+        #: Join: id(parameter) -> Δ of the step this rank shadowed last (abstaining), for ApplyDelta
+        self._shadow: dict = {}
         self.momenta: dict = {}
         self.steps = 0
         self.skipped_buckets = 0
@@ -167,16 +202,37 @@ class DLionHookState:
             self._open.setdefault(step, [0, None, []])[1] = buckets
             self._close_if_done(step)
 
-    def _decided(self, step: int, ranks_nonfinite: list) -> None:
-        """One bucket of ``step`` decided (skipped when ``ranks_nonfinite`` is not empty); once every
-        bucket of the step is, the step counts as skipped or not (the same on every rank)."""
+    def _decided(self, step: int, ranks_nonfinite: list, params: Optional[list] = None) -> None:
+        """One bucket of ``step`` decided (skipped when ``ranks_nonfinite`` is not empty: its
+        ``params`` are recorded for :class:`ApplyDelta`); once every bucket of the step is, the
+        step counts as skipped or not (the same on every rank)."""
         with self._lock:
             entry = self._open.setdefault(step, [0, None, []])
             entry[0] += 1
             if ranks_nonfinite:
                 self.skipped_buckets += 1
                 entry[2].extend(ranks_nonfinite)
+                self._skipped.setdefault(step, set()).update(self.index[p] for p in params or [])
             self._close_if_done(step)
+
+    def _keep_shadow(self, params: list, delta: Tensor) -> None:
+        """A shadowed bucket's Δ (the flat bucket, in the order of ``params``), for :class:`ApplyDelta`."""
+        with self._lock:
+            for p, d in zip(params, torch.split(delta, [p.numel() for p in params])):
+                self._shadow[id(p)] = d.view(p.shape)
+
+    def _take_shadow(self) -> dict:
+        """id(parameter) -> Δ of the buckets shadowed since the last call (Join, a finished rank)."""
+        with self._lock:
+            out, self._shadow = self._shadow, {}
+        return out
+
+    def _take_skipped(self) -> set:
+        """The parameters (as objects' ids) of the buckets skipped in the last step; forgotten once taken."""
+        with self._lock:
+            last = self._skipped.pop(self.steps - 1, set())
+            self._skipped.clear()
+        return {id(self.params[i]) for i in last}
 
     def _close_if_done(self, step: int) -> None:
         done, buckets, ranks = self._open[step]
@@ -269,12 +325,33 @@ def _native_contribution(state: DLionHookState, grad: Tensor, params: list, n: i
                         packed=packed, zeros=zeros)
 
 
+def _in_backward() -> bool:
+    """Whether this runs inside autograd's backward. DDP runs the comm hook there for this rank's
+    gradients; it runs it outside backward only from its Join hook, on zero buckets, for a rank that
+    has run out of data (``DistributedDataParallel._match_all_reduce_for_bwd_pass``)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is None or current() != -1
+
+
+def _abstention(state: DLionHookState, grad: Tensor, params: list, n: int) -> Contribution:
+    """A finished rank's part in a bucket (Join): no vote on any parameter (has_grad False), as a
+    :class:`dlion.DistributedLion` step without gradients; its momentum is not read or changed."""
+    values = torch.zeros(padded_length(n, state.world), dtype=torch.int8, device=grad.device)
+    return Contribution(values, n, torch.zeros(len(params), dtype=torch.bool), 0, 0)
+
+
 def dlion_hook(state: DLionHookState, bucket) -> torch.futures.Future[torch.Tensor]:
-    """The DDP communication hook: this rank's Lion signs of the bucket in, the vote Δ out."""
+    """The DDP communication hook: this rank's Lion signs of the bucket in, the vote Δ out. Called
+    outside backward (DDP's Join shadow of a finished rank), it abstains and keeps Δ for
+    :class:`ApplyDelta`."""
     grad = bucket.buffer()
     params = bucket.parameters()
     n = grad.numel()
-    contrib = _native_contribution(state, grad, params, n) or _eager_contribution(state, grad, params, n)
+    shadow = not _in_backward()
+    if shadow:
+        contrib = _abstention(state, grad, params, n)
+    else:
+        contrib = _native_contribution(state, grad, params, n) or _eager_contribution(state, grad, params, n)
     if state.comm == "1bit":  # this bucket's own group: its later collectives may be issued from the callback
         wire = state.wires.setdefault(bucket.index(), WireState())
     else:  # a fresh wire state each call: the base-3 / wide formats never need a second collective
@@ -300,27 +377,60 @@ def dlion_hook(state: DLionHookState, bucket) -> torch.futures.Future[torch.Tens
         except StopIteration as stop:
             outcome = stop.value
         if outcome.codes is None:  # inf/NaN on some rank: this bucket does not move anywhere, no momentum changes
-            state._decided(step_no, outcome.ranks_nonfinite or [None])
+            state._decided(step_no, outcome.ranks_nonfinite or [None], params)
             if state.nonfinite == "raise":
                 raise FloatingPointError(f"dlion_hook: a rank has inf/NaN gradients in bucket {bucket.index()} at "
                                          f"step {step_no}; no rank changed this bucket's momentum.")
             grad.zero_()
             return grad
-        _update_momenta(state, grad, params, n)  # (grad still holds this rank's gradient)
+        if not shadow:
+            _update_momenta(state, grad, params, n)  # (grad still holds this rank's gradient)
         state._decided(step_no, [])
         grad.copy_(state.rule.delta(outcome.codes[:n], torch.float32))
+        if shadow:  # DDP drops the result on a finished rank: ApplyDelta's join hook applies it
+            state._keep_shadow(params, grad)
         return grad
 
     return work.get_future().then(decide)
 
 
-class ApplyDelta(torch.optim.Optimizer):
+class _ApplyShadow(JoinHook):
+    """Join: after DDP's join hook has shadowed the other ranks' backward (the comm hook abstaining),
+    apply the agreed Δ on the finished rank too, so that its parameters stay equal to the others'."""
+
+    def __init__(self, opt: "ApplyDelta"):
+        self.opt = opt
+
+    def main_hook(self) -> None:
+        self.opt._shadow_step()
+
+
+class ApplyDelta(torch.optim.Optimizer, Joinable):
     """x ← x·(1 − η·λ) − η·Δ with Δ = the parameter's ``.grad`` as :func:`dlion_hook` left it
-    (the update :class:`dlion.DistributedLion` applies, with the same roundings)."""
+    (the update :class:`dlion.DistributedLion` applies, with the same roundings). The parameters
+    of a bucket the hook skipped in the last step (inf/NaN on some rank) are left unchanged, weight
+    decay included, on every rank.
+
+    A ``Joinable`` for uneven inputs: ``with Join([ddp, opt]):`` (the DDP model first). On a rank
+    that has run out of data it applies the Δ that the hook agreed while abstaining for it (module
+    docstring), so the parameters stay bitwise equal on every rank after every step."""
 
     def __init__(self, params: Iterable, lr: float = 1e-4, weight_decay: float = 0.0):
         check_hyperparameters(lr, (0.0, 0.0), weight_decay)
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+        Joinable.__init__(self)  # a disabled join config until a Join context manager sets one
+
+    def _all_params(self) -> list:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    @staticmethod
+    def _apply(group: dict, ps: list, deltas: list) -> None:
+        if not ps:
+            return
+        lr, wd = group["lr"], group["weight_decay"]
+        if wd != 0.0:
+            torch._foreach_mul_(ps, 1.0 - lr * wd)
+        torch._foreach_sub_(ps, [torch.mul(d, lr) for d in deltas])
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -328,12 +438,55 @@ class ApplyDelta(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        skipped: set = set()
+        for state in _states_of(self._all_params()):
+            skipped |= state._take_skipped()
         for group in self.param_groups:
-            ps = [p for p in group["params"] if p.grad is not None]
-            if not ps:
-                continue
-            lr, wd = group["lr"], group["weight_decay"]
-            if wd != 0.0:
-                torch._foreach_mul_(ps, 1.0 - lr * wd)
-            torch._foreach_sub_(ps, [torch.mul(p.grad, lr) for p in ps])
+            ps = [p for p in group["params"] if p.grad is not None and id(p) not in skipped]
+            self._apply(group, ps, [p.grad for p in ps])
         return loss
+
+    @torch.no_grad()
+    def _shadow_step(self) -> None:
+        """Join, on a finished rank: the Δ the hook agreed while abstaining (none where DDP skipped
+        the gradient synchronisation, e.g. the others' ``no_sync`` micro-batches, or a bucket was skipped)."""
+        shadow: dict = {}
+        for state in _states_of(self._all_params()):
+            state._take_skipped()
+            shadow.update(state._take_shadow())
+        for group in self.param_groups:
+            ps = [p for p in group["params"] if id(p) in shadow]
+            self._apply(group, ps, [shadow[id(p)] for p in ps])
+
+    # -- uneven inputs: torch.distributed.algorithms.Join ---------------------------
+    def _state(self) -> DLionHookState:
+        states = _states_of(self._all_params())
+        if not states:
+            raise ValueError("ApplyDelta joins torch.distributed.algorithms.Join only together with the "
+                             "DistributedDataParallel model whose communication hook is dlion_hook (its "
+                             "DLionHookState votes on these parameters): Join([ddp, opt]).")
+        return states[0]
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        self._state()
+        if getattr(torch._C, "_current_graph_task_id", None) is None:
+            raise NotImplementedError("ApplyDelta: this torch cannot tell DDP's Join shadow from a backward "
+                                      "(no torch._C._current_graph_task_id); Join is not supported with the hook.")
+        return _ApplyShadow(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        ps = self._all_params()
+        return ps[0].device if ps else torch.device("cpu")
+
+    @property
+    def join_process_group(self):
+        config = self._join_config
+        if config.enable and config.is_first_joinable:
+            # (Join reads this after configuring its joinables, before any collective, on every rank)
+            raise ValueError(
+                "ApplyDelta must come after the DistributedDataParallel model in Join: Join([ddp, opt]). "
+                "The first joinable announces each iteration; DDP must do so in forward, before the "
+                "hook's collectives in backward.")
+        group = self._state().process_group
+        return group if group is not None else dist.group.WORLD

@@ -6,7 +6,7 @@ local int8 signs δ ∈ {−1, 0, +1} of one bucket just before they are sent; w
 it returns is what the other ranks see. Give a hook to the faulty ranks only::
 
     hook = faults.sign_flip() if rank in faulty else None
-    opt = DistributedLion(model.parameters(), lr=1e-3, vote="mavo", sign_hook=hook)
+    opt = DistributedLion(model.named_parameters(), lr=1e-3, vote="mavo", sign_hook=hook)
 
 * :func:`sign_flip` — sends −δ: the strongest non-colluding attack on a vote
   (signSGD with majority vote tolerates it while fewer than half the workers

@@ -92,7 +92,8 @@ def _model_worker(rank: int, world: int, steps: int, rules: list, out: int) -> l
             backbone, head, extra = torch.nn.Linear(1000, 1000), torch.nn.Linear(1000, out), torch.nn.Linear(out, out)
             backbone.requires_grad_(False)
             mods = ([backbone] if sc["backbone"] else []) + [head] + ([extra] if sc["extra"] else [])
-            opt = dlion.DistributedLion([p for m in mods for p in m.parameters()], lr=1e-3, vote=vote, ties=ties,
+            opt = dlion.DistributedLion([(f"{i}.{n}", p) for i, m in enumerate(mods) for n, p in m.named_parameters()],
+                                        lr=1e-3, vote=vote, ties=ties,
                                         comm="1bit")
             g = torch.Generator().manual_seed(rank)
             sent = []

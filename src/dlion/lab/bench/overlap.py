@@ -43,7 +43,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(1)
     model = build_model(args.width, args.depth)
-    opts = {ov: dlion.DistributedLion(model.parameters(), lr=1e-4, overlap=ov, bucket_cap_mb=args.bucket_mb,
+    opts = {ov: dlion.DistributedLion(model.named_parameters(), lr=1e-4, overlap=ov, bucket_cap_mb=args.bucket_mb,
                                       comm=args.comm)
             for ov in (False, True)}
     g = torch.Generator().manual_seed(rank)

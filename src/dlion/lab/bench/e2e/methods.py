@@ -333,7 +333,7 @@ class MethodRun:
             if method in DDP_HOOKS:
                 from dlion.integrations.ddp import ApplyDelta
 
-                self.opt = ApplyDelta(model.parameters(), lr=lr, weight_decay=wd)
+                self.opt = ApplyDelta(model.named_parameters(), lr=lr, weight_decay=wd)
             elif method.startswith("g-adamw"):
                 self.opt = torch.optim.AdamW(model.parameters(), lr=10 * lr, weight_decay=wd / 10,
                                              **({"fused": True} if fused else {}))
@@ -344,13 +344,13 @@ class MethodRun:
             if not cfg.get("per_node"):
                 raise ValueError(f"{method} needs nodes: run with --nodes K --per-node L")
             self.net = model
-            self.opt = _hier_class()(model.parameters(), lr=lr, betas=betas, weight_decay=wd, vote=vote,
+            self.opt = _hier_class()(model.named_parameters(), lr=lr, betas=betas, weight_decay=wd, vote=vote,
                                      ties=cfg["ties"], comm=comm, bucket_cap_mb=cfg["bucket_mb"],
                                      mesh=_node_mesh(cfg["per_node"]), fused=fused)
             self.opt.check_replicas()
         elif method in LOCAL:
             self.net = model
-            self.opt = _local_class()(model.parameters(), lr=lr, betas=betas, weight_decay=wd, vote="mavo",
+            self.opt = _local_class()(model.named_parameters(), lr=lr, betas=betas, weight_decay=wd, vote="mavo",
                                       ties=cfg["ties"], comm="1bit", sync_every=cfg.get("sync_every", 10),
                                       streaming=method.endswith("-st"), bucket_cap_mb=cfg["bucket_mb"], fused=fused)
             self.opt.check_replicas()
@@ -364,7 +364,7 @@ class MethodRun:
             quant = comm == "quant"
             self.net = model
             self.opt = _dlion_class()(
-                model.parameters(), lr=lr, betas=betas, weight_decay=wd, vote=vote,
+                model.named_parameters(), lr=lr, betas=betas, weight_decay=wd, vote=vote,
                 ties="random" if "rt" in rest else "previous" if "pt" in rest else cfg["ties"],
                 comm="1bit" if quant else comm, aggregate="quantized" if quant else "sign",
                 quant_bits=cfg["quant_bits"], overlap="ov" in rest,
