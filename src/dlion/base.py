@@ -14,7 +14,10 @@ voter), :class:`dlion.LocalDistributedLion` (its subclass: the vote on H local s
   raises, ``nonfinite=``);
 * the replica check (checksums of every parameter and of the model's structure);
 * the checkpoint record (``state_dict()["dlion"]``) and the refusal of state it cannot take
-  (another optimizer type, another rank's state unless ``from_rank="any"``).
+  (another optimizer type, another rank's state unless ``from_rank="any"``);
+* uneven inputs: ``torch.distributed.algorithms.Join`` (a rank that has run out of data answers
+  the others' steps with steps without gradients until every rank is done).
+
 
 A driver says how its ranks are arranged (``_groups``: the process groups, outermost first,
 along which objects are gathered and parameters broadcast) and how a checksum row reaches
