@@ -18,7 +18,6 @@ voter), :class:`dlion.LocalDistributedLion` (its subclass: the vote on H local s
 * uneven inputs: ``torch.distributed.algorithms.Join`` (a rank that has run out of data answers
   the others' steps with steps without gradients until every rank is done).
 
-
 A driver says how its ranks are arranged (``_groups``: the process groups, outermost first,
 along which objects are gathered and parameters broadcast) and how a checksum row reaches
 every rank (``_all_gather_rows``); the step itself is the driver's.
