@@ -8,15 +8,22 @@ counted by source line. Each step's count per (file, function) must stay within 
 below; a new ``.item()``, ``bool(tensor)``, ``.cpu()``, unpinned copy to the device, ``nonzero``
 … anywhere on the path fails the test with the line that made it.
 
-The counts agree with the GPU's ``torch.cuda.set_sync_debug_mode`` (tests/test_cuda.py,
-docs/results/gpu-check/cuda_sync_counts.json), line for line: 18 for the dense 1-bit step below
-(the JSON's 19 has one more, ``cuda/__init__.py:1270``: the debug mode's own "prototype feature"
-warning, which that measurement counted; it is no synchronisation), and also 132, 95 and 34
-for the abstaining 1-bit, all-gather and p-bit steps measured there.
+A dense 1-bit step makes two: one read of every bucket's finiteness flag and zero count (what the
+host-built headers need) before the first collectives, and one read of every bucket's received
+headers after them (:func:`dlion.buckets.read_flags`, :func:`dlion.wire.read_heads`); the vote
+tallies stay on the device until ``comm_stats`` is read. That holds for the simulator (N = 4, two
+buckets: every worker's and bucket's together) and per rank of ``DistributedLion(overlap=False)``.
+
+Before these were batched, the GPU's ``torch.cuda.set_sync_debug_mode`` (tests/test_cuda.py,
+docs/results/gpu-check*/cuda_sync_counts.json) agreed with this audit line for line: 18 for the
+dense 1-bit step below (one read per bucket and worker in ``contribute`` and in ``_split``, one per
+bucket for the tallies). The counts asserted here (2) are the emulation's; they have not been
+measured on a GPU yet.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -34,14 +41,13 @@ LR, N = 0.01, 4
 # (file, function) -> (syncs per unit, the unit, why it is still there). A unit is evaluated by
 # _allowed: "bucket·worker" = buckets × workers (the simulator runs every worker's contribution).
 DENSE_1BIT = {
-    "dlion/buckets.py contribute": (1, "bucket·worker",
-        "one read of the finiteness flag and the zero count together: the 1-bit header's status "
-        "(NONFINITE) and whether zero runs are listed are built on the host"),
-    "dlion/wire.py _split": (1, "bucket·worker",
-        "the received headers come to the host: every rank decides the wire format, the failure "
-        "flags and the has-gradient bitmap there"),
-    "dlion/collectives.py add_tallies": (1, "bucket",
-        "the vote tallies (voted, unanimous, tied) are read into comm_stats, once per bucket"),
+    "dlion/buckets.py read_flags": (1, "step",
+        "one read of every bucket's (and simulated worker's) finiteness flag and zero count together: "
+        "the 1-bit header's status (NONFINITE) and whether zero runs are listed are built on the host"),
+    "dlion/wire.py read_heads": (1, "round",
+        "every bucket's received headers come to the host in one copy per round of collectives: every "
+        "rank decides the wire format, the failure flags and the has-gradient bitmap there"),
+    # no add_tallies: the vote tallies stay on the device until comm_stats is read (CommStats.tallies)
 }
 LION: dict = {}  # dlion.Lion: none (0 on the GPU too)
 LOCAL_INNER = {
@@ -50,9 +56,9 @@ LOCAL_INNER = {
 }
 LOCAL_ROUND = {  # one sync round of LocalDistributedLion, N = 2, per rank
     "dlion/local.py _inner_step": (1, "step", LOCAL_INNER["dlion/local.py _inner_step"][2]),
-    "dlion/buckets.py all_finite": (1, "bucket", "the residual's finiteness, for the header's status"),
-    "dlion/wire.py _split": (1, "bucket", DENSE_1BIT["dlion/wire.py _split"][2]),
-    "dlion/collectives.py add_tallies": (1, "round", DENSE_1BIT["dlion/collectives.py add_tallies"][2]),
+    "dlion/buckets.py read_flags": (1, "round",
+        "every bucket's residual finiteness and zero count, for the headers' status, in one read"),
+    "dlion/wire.py read_heads": (1, "round", DENSE_1BIT["dlion/wire.py read_heads"][2]),
     # the progress A − x has zeros (coordinates whose local steps cancelled): the abstaining 1-bit path,
     # whose zero runs are found and listed on the host (132 syncs for the simulator's abstaining step)
     "dlion/wire.py _has_zeros": (2, "bucket",
@@ -81,9 +87,9 @@ def check_budget(em: EmulatedDevice, budget: dict, units: dict) -> None:
 
 # -- the steps ---------------------------------------------------------------------------
 
-def dense_1bit_step() -> tuple[EmulatedDevice, SimulatedDistributedLion]:
+def dense_1bit_step() -> tuple[EmulatedDevice, SimulatedDistributedLion, SimulatedDistributedLion]:
     """One dense 1-bit SimulatedDistributedLion step (N = 4, two buckets) after a warm-up step,
-    on emulated CUDA tensors: the audit, and the optimizer."""
+    on emulated CUDA tensors: the audit, the optimizer, and the same steps on the CPU."""
     g = torch.Generator().manual_seed(7)
     params0 = [torch.randn(s, generator=g) for s in SHAPES]
     grads0 = [[[torch.randn(s, generator=g) for s in SHAPES] for _ in range(N)] for _ in range(2)]
@@ -100,16 +106,32 @@ def dense_1bit_step() -> tuple[EmulatedDevice, SimulatedDistributedLion]:
     ref.step(grads0[0])
     ref.step(grads0[1])
     assert all(torch.equal(a, b) for a, b in zip(params, params0))
-    return em, sim
+    return em, sim, ref
 
 
 def test_dense_1bit_simulated_step_within_budget():
-    em, sim = dense_1bit_step()
+    em, sim, ref = dense_1bit_step()
     assert len(sim.buckets) == 2 and sim.step_count == 2
-    check_budget(em, DENSE_1BIT, {"bucket·worker": len(sim.buckets) * N, "bucket": len(sim.buckets)})
-    # the GPU's count, line for line (docs/results/gpu-check/cuda_sync_counts.json, less its
-    # cuda/__init__.py:1270 entry: the sync debug mode's own warning)
-    assert em.count() == 18, em.by_site()
+    # one round of collectives reads headers: the all-to-all of signs (the codes come back as 1 bit)
+    check_budget(em, DENSE_1BIT, {"step": 1, "round": 1})
+    assert em.count() == 2, em.by_site()  # (18 before the reads were batched, as measured on a GPU)
+
+
+def test_vote_tallies_are_read_when_the_statistics_are():
+    """The step reads no tally; reading ``comm_stats`` does, once, and gives the CPU run's figures."""
+    em, sim, ref = dense_1bit_step()
+    assert "dlion/collectives.py add_tallies" not in em.by_function()
+    pending = list(sim.comm_stats._pending)
+    assert pending == [torch.device("cuda", 0)]  # summed on the device, not read yet
+    em.syncs.clear()
+    with em:
+        em.counting = True
+        got = sim.comm_stats.state_dict()
+        again = (sim.comm_stats.voted, sim.comm_stats.unanimous, sim.comm_stats.tied)
+        em.counting = False
+    assert em.by_function() == {"dlion/collectives.py tallies": 1}  # one read, for all three, once
+    assert got == ref.comm_stats.state_dict() and got["voted"] > 0 and got["unanimous"] > 0
+    assert again == (got["voted"], got["unanimous"], got["tied"])
 
 
 def test_lion_step_has_no_host_sync():
@@ -199,3 +221,51 @@ def test_local_distributed_lion_round_within_budget():
         assert buckets == 2
         assert counts[H] == {"dlion/local.py _inner_step": 1}  # a local step: one read
         assert sum(counts[2 * H - 1].values()) > 1             # the sync round was audited
+
+
+DISTRIBUTED_STEP = {  # one dense 1-bit step of DistributedLion(overlap=False), per rank
+    "dlion/buckets.py read_flags": (1, "step", DENSE_1BIT["dlion/buckets.py read_flags"][2]),
+    "dlion/wire.py read_heads": (1, "step", DENSE_1BIT["dlion/wire.py read_heads"][2]),
+}
+
+
+def test_distributed_lion_dense_step_per_rank_within_budget():
+    """DistributedLion(comm="1bit") on two ranks (threads of this process, two buckets): per rank and
+    step, one read of every bucket's flags and one of every bucket's received headers (five before:
+    two per bucket and one for the tallies); the parameters and the tallies are bitwise those of
+    the same ranks on CPU tensors."""
+    world, steps = 2, 3
+    g = torch.Generator().manual_seed(7)
+    params0 = [torch.randn(s, generator=g) for s in SHAPES]
+
+    def run(rank, emulate: bool):
+        gg = torch.Generator().manual_seed(100 + rank)
+        grads0 = [[torch.randn(s, generator=gg) for s in SHAPES] for _ in range(steps)]
+        em = EmulatedDevice()
+        counts = []
+        with em if emulate else contextlib.nullcontext():
+            move = to_device if emulate else (lambda x: x)
+            params = [p.requires_grad_() for p in move([p.clone() for p in params0])]
+            grads = move(grads0)
+            opt = dlion.DistributedLion(params, lr=LR, comm="1bit", bucket_cap_mb=CAP_MB)
+            assert len(opt.buckets) == 2 and params[0].is_cuda == emulate
+            for step in range(steps):
+                for p, gr in zip(params, grads[step]):
+                    p.grad = gr
+                em.syncs.clear()
+                em.counting = step >= 1  # (the first step also checks for identical gradients)
+                opt.step()
+                em.counting = False
+                if step >= 1:
+                    check_budget(em, DISTRIBUTED_STEP, {"step": 1})
+                    counts.append(em.count())
+        return counts, [p.detach().clone() for p in params], opt.comm_stats.state_dict()
+
+    dev = _threaded_ranks(world, lambda rank: run(rank, True))
+    cpu = _threaded_ranks(world, lambda rank: run(rank, False))
+    for (counts, params, stats), (_, want, want_stats) in zip(dev, cpu):
+        assert counts == [2] * (steps - 1)
+        assert all(torch.equal(a, b) for a, b in zip(params, want))
+        assert {k: v for k, v in stats.items() if k != "wait_s"} == \
+            {k: v for k, v in want_stats.items() if k != "wait_s"}
+    assert all(torch.equal(a, b) for a, b in zip(dev[0][1], dev[1][1]))  # the replicas agree

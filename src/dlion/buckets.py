@@ -167,10 +167,12 @@ class Contributed:
     values: Tensor
     #: per parameter: had this rank a gradient for it
     present: list
-    #: were all of c's values finite
+    #: were all of c's values finite (off the CPU with ``defer=True``: a 0-d bool tensor there until
+    #: :func:`read_flags`)
     finite: bool
     #: ``fused=True`` (or signs off the CPU): the 1-bit payload (packed bits of values > 0) and how many
-    #: values are 0, computed in the same pass as the signs; None otherwise
+    #: values are 0 (off the CPU with ``defer=True``: a 0-d tensor there until :func:`read_flags`),
+    #: computed in the same pass as the signs; None otherwise
     packed: Optional[Tensor] = None
     zeros: Optional[int] = None
     #: ``borrow=True``: the gradients read in place and the sign given them, for :func:`update_momentum`
@@ -195,7 +197,7 @@ class Scratch:
 
 def contribute(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], scratch: Scratch, *, beta1: float,
                maximize: bool, quant: Optional[tuple[int, str]] = None,
-               borrow: bool = False, fused: bool = False) -> Contributed:
+               borrow: bool = False, fused: bool = False, defer: bool = False) -> Contributed:
     """This rank's int8 contribution for bucket ``b`` from its gradients (None = no gradient):
     c = β1·m + (1 − β1)·g per coordinate; δ = sign(c) (or q = quantize(c) per parameter with
     ``quant = (levels, norm)``); coordinates of parameters without a gradient abstain (0).
@@ -210,7 +212,11 @@ def contribute(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], scrat
     ``fused=True`` (:func:`fused_applies`): c, its sign and the finiteness check are one native
     loop over the whole bucket (:mod:`dlion.kernels`), the same roundings, reading the
     gradients where they are under the same ``borrow`` rules (copied into ``buf.grad`` first
-    otherwise), and the 1-bit payload is packed in the same pass (``packed``, ``zeros``)."""
+    otherwise), and the 1-bit payload is packed in the same pass (``packed``, ``zeros``).
+
+    Off the CPU the finiteness flag and the zero count are computed on the device; they are read
+    on the host here (one synchronisation), or with ``defer=True`` left there for
+    :func:`read_flags` to read those of many contributions at once."""
     present = [g is not None for g in grads]
     values = buf.values
     packed = zeros = borrowed = None
@@ -240,11 +246,35 @@ def contribute(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], scrat
         for j, ok in enumerate(present):
             if not ok:
                 out[b.offsets[j]:b.offsets[j] + b.sizes[j]].zero_()
-    if isinstance(finite, Tensor):  # (signs off the CPU) one host read for the flag and the zero count, which
+    if isinstance(finite, Tensor):  # (off the CPU) the flag, and with signs the payload and the zero count, which
         # the 1-bit header needs (OneBit.run takes it with the payload instead of its own check for zeros)
-        finite, nonzero = torch.stack([finite.to(torch.int64), torch.count_nonzero(out)]).tolist()
-        packed, zeros = _SIGN.encode(values), b.numel - nonzero
+        if quant is None:
+            packed, zeros = _SIGN.encode(values), b.numel - torch.count_nonzero(out)
+        made = Contributed(values, present, finite, packed, zeros, borrowed)
+        if not defer:
+            read_flags([made])
+        return made
     return Contributed(values, present, bool(finite), packed, zeros, borrowed)
+
+
+def read_flags(made: list) -> None:
+    """The finiteness flags and zero counts that :func:`contribute` left on a device (``defer=True``),
+    read on the host for all of ``made`` together: one synchronisation per device, not one per bucket."""
+    by_device: dict = {}
+    for m in made:
+        if isinstance(m.finite, Tensor):
+            by_device.setdefault(m.finite.device, []).append(m)
+    for ms in by_device.values():
+        parts = []
+        for m in ms:
+            parts.append(m.finite.to(torch.int64).view(1))
+            if isinstance(m.zeros, Tensor):
+                parts.append(m.zeros.to(torch.int64).view(1))
+        read = iter(torch.cat(parts).tolist())
+        for m in ms:
+            m.finite = bool(next(read))
+            if isinstance(m.zeros, Tensor):
+                m.zeros = next(read)
 
 
 def _eager_contribution(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor]], present: list[bool],
@@ -269,8 +299,8 @@ def _eager_contribution(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor
             buf.grad.neg_()
         torch.mul(buf.grad, 1.0 - beta1, out=scaled)
     c.add_(scaled)
-    # signs off the CPU: the flag stays on the device, for contribute to read with the zero count
-    finite = _finite_flag(c) if quant is None and c.device.type != "cpu" else all_finite(c)
+    # off the CPU: the flag stays on the device, for contribute (or read_flags) to read with the zero count
+    finite = _finite_flag(c) if c.device.type != "cpu" else all_finite(c)
     if quant is None:
         out.copy_(torch.sign(c, out=scaled))  # sign(0) = 0: an abstention
     else:
@@ -436,5 +466,5 @@ def _finite_flag(c: Tensor) -> Tensor:
     return torch.isfinite(torch.stack(torch.aminmax(c.reshape(-1)))).all()
 
 
-__all__ += ["RankBuffers", "Contributed", "Scratch", "contribute", "fused_applies", "update_momentum", "scale_codes",
+__all__ += ["RankBuffers", "Contributed", "Scratch", "contribute", "read_flags", "fused_applies", "update_momentum", "scale_codes",
             "apply_scaled_delta", "apply_codes", "apply_signs"]

@@ -52,11 +52,12 @@ def bytes_moved(kind: str, nbytes: int, world: int) -> float:
 _ADD_LOCK = threading.Lock()
 
 
-@dataclass
+@dataclass(eq=False, repr=False)
 class CommStats:
     """Cumulative traffic of one rank: bytes sent and received through collectives,
     the number of collective calls and of optimizer steps, a split by purpose, the
-    time spent blocked on collectives, and how the votes this rank decided went."""
+    time spent blocked on collectives, and how the votes this rank decided went
+    (``voted``, ``unanimous``, ``tied``: see :meth:`tallies`)."""
 
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -64,9 +65,10 @@ class CommStats:
     steps: int = 0
     by_kind: dict = field(default_factory=dict)
     wait_s: float = 0.0     # seconds step() spent blocked on collectives (not what overlap hid)
-    voted: int = 0          # coordinates this rank decided the vote of (its 1/N share with 1bit)
-    unanimous: int = 0      # … where every rank voted the same sign (|s| = N)
-    tied: int = 0           # … where the votes cancelled (s = 0, some rank voted)
+    #: [voted, unanimous, tied] read so far (see :meth:`tallies`)
+    _read: list = field(default_factory=lambda: [0, 0, 0])
+    #: tallies of votes decided on a device, not read yet: device -> int64 [voted, unanimous, tied] there
+    _pending: dict = field(default_factory=dict)
 
     def add(self, kind: str, sent: float, received: float) -> None:
         with _ADD_LOCK:  # the exchange thread of overlap=True issues collectives too
@@ -78,12 +80,47 @@ class CommStats:
             k[1] += int(round(received))
 
     def add_tallies(self, tallies: list) -> None:
-        """Add vote tallies ([voted, unanimous, tied] tensors, see ``wire.vote_tally``)."""
-        if tallies:
-            voted, unanimous, tied = torch.stack(tallies).sum(0).tolist()
-            self.voted += voted
-            self.unanimous += unanimous
-            self.tied += tied
+        """Add vote tallies ([voted, unanimous, tied] tensors, see ``wire.vote_tally``). Those on the
+        CPU are added at once; those on a device are summed there and read only when the statistics
+        are (:meth:`tallies`), so that a step makes no host synchronisation for them."""
+        if not tallies:
+            return
+        by_device: dict = {}
+        for t in tallies:
+            by_device.setdefault(t.device, []).append(t)
+        with _ADD_LOCK:
+            for dev, ts in by_device.items():
+                total = torch.stack(ts).sum(0)
+                if dev.type == "cpu":
+                    for i, v in enumerate(total.tolist()):
+                        self._read[i] += v
+                elif dev in self._pending:
+                    self._pending[dev].add_(total)
+                else:
+                    self._pending[dev] = total
+
+    def tallies(self) -> tuple[int, int, int]:
+        """(voted, unanimous, tied): the coordinates this rank decided the vote of (its 1/N share with
+        ``1bit``), those where every rank voted the same sign (|s| = N), and those where the votes
+        cancelled (s = 0, some rank voted). Reads the tallies still on a device (one host
+        synchronisation per device, here and not in the step)."""
+        with _ADD_LOCK:
+            pending, self._pending = self._pending, {}
+            for total in pending.values():
+                for i, v in enumerate(total.tolist()):
+                    self._read[i] += v
+            return tuple(self._read)
+
+    def _set_tally(self, i: int, value: int) -> None:
+        self.tallies()
+        self._read[i] = int(value)
+
+    voted = property(lambda self: self.tallies()[0], lambda self, v: self._set_tally(0, v),
+                     doc="coordinates this rank decided the vote of (its 1/N share with 1bit)")
+    unanimous = property(lambda self: self.tallies()[1], lambda self, v: self._set_tally(1, v),
+                         doc="… where every rank voted the same sign (|s| = N)")
+    tied = property(lambda self: self.tallies()[2], lambda self, v: self._set_tally(2, v),
+                    doc="… where the votes cancelled (s = 0, some rank voted)")
 
     def bits_per_param_per_step(self, num_params: int) -> float:
         """(bytes sent + received)·8 / (params · steps)."""
@@ -92,10 +129,11 @@ class CommStats:
         return 8.0 * (self.bytes_sent + self.bytes_received) / (num_params * self.steps)
 
     def state_dict(self) -> dict:
+        voted, unanimous, tied = self.tallies()
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
                 "collectives": self.collectives, "steps": self.steps,
                 "by_kind": {k: list(v) for k, v in self.by_kind.items()}, "wait_s": self.wait_s,
-                "voted": self.voted, "unanimous": self.unanimous, "tied": self.tied}
+                "voted": voted, "unanimous": unanimous, "tied": tied}
 
     def load_state_dict(self, d: dict) -> None:
         self.bytes_sent = int(d["bytes_sent"])
@@ -104,7 +142,15 @@ class CommStats:
         self.steps = int(d["steps"])
         self.by_kind = {k: list(v) for k, v in d.get("by_kind", {}).items()}
         self.wait_s = float(d.get("wait_s", 0.0))
-        self.voted, self.unanimous, self.tied = (int(d.get(k, 0)) for k in ("voted", "unanimous", "tied"))
+        with _ADD_LOCK:
+            self._pending = {}
+            self._read = [int(d.get(k, 0)) for k in ("voted", "unanimous", "tied")]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, CommStats) and self.state_dict() == other.state_dict()
+
+    def __repr__(self) -> str:
+        return "CommStats(" + ", ".join(f"{k}={v!r}" for k, v in self.state_dict().items()) + ")"
 
 
 def _all_gather(out: Tensor, inp: Tensor, **kw):

@@ -54,7 +54,7 @@ from torch.profiler import record_function
 
 from .base import BucketState, DistributedBase, momentum_sync_due
 from .buckets import (Bucket, Contributed, LeftOut, RankBuffers, Scratch, apply_codes, apply_signs, contribute, layout_buckets,
-                      rebind_groups, update_momentum)
+                      read_flags, rebind_groups, update_momentum)
 from .collectives import GroupTransport
 from .pipeline import Flight, Pipeline
 from .replicas import average_momenta, bits_checksum
@@ -286,24 +286,27 @@ class DistributedLion(DistributedBase):
     def _local_values(self, k: int) -> Contributed:
         """This rank's int8 values for bucket k (δ = sign(β1·m + (1 − β1)·g), or Lion Cub's q), which
         parameters take part, whether every value was finite, and what the momentum update will read
-        (:class:`dlion.buckets.Contributed`): what a subclass changes to vote
+        (:class:`dlion.buckets.Contributed`; off the CPU the finiteness flag and the zero count may stay
+        on the device: the caller reads them, with other buckets', by :func:`dlion.buckets.read_flags`):
+        what a subclass changes to vote
         on something else (:class:`dlion.LocalDistributedLion` votes on its local progress)."""
         b, buf, group = self.buckets[k], self._slots[k].buffers, self.buckets[k].group
         quant = (self.quant_levels, self.quant_norm) if self.aggregate == "quantized" else None
         return contribute(b, buf, [p.grad for p in b.params], self._scratch, beta1=group["betas"][0],
-                          maximize=group["maximize"], quant=quant, borrow=True, fused=group.get("fused", False))
+                          maximize=group["maximize"], quant=quant, borrow=True, fused=group.get("fused", False),
+                          defer=True)
 
     def _input_error(self, k: int) -> Optional[Exception]:
         """The first invalid gradient of bucket k on this rank (sent as BAD: every rank raises), or None."""
         return self._grad_error(self.buckets[k])
 
-    def _contribute(self, k: int, step: int) -> Contribution:
+    def _contribution(self, k: int, step: int, error: Optional[Exception], made: Optional[Contributed]) -> Contribution:
+        """Bucket k's :class:`Contribution` from its invalid gradient ``error`` or what :meth:`_local_values`
+        made (its flags read: :func:`dlion.buckets.read_flags`)."""
         b, buf = self.buckets[k], self._slots[k].buffers
-        status, error = 0, self._input_error(k)
-        group = b.group
+        status, group = 0, b.group
         packed = zeros = None
         if error is None:
-            made = self._local_values(k)
             values, present, finite = made.values, made.present, made.finite
             self._step.borrowed[k] = made.borrowed
             if self.sign_hook is None:  # (a hook changes the values: no payload of contribute's then)
@@ -329,19 +332,37 @@ class DistributedLion(DistributedBase):
                             previous=buf.last_vote, packed=packed, zeros=zeros)
 
     def _issue_ready(self, step_no: int) -> None:
-        """Start, in bucket order, every bucket whose gradients are all there."""
+        """Start, in bucket order, every bucket whose gradients are all there. On the CPU each bucket's
+        collective leaves as soon as its contribution is made; off the CPU every ready bucket's
+        contribution is made first and their flags are read in one host synchronisation
+        (:func:`dlion.buckets.read_flags`; from a gradient hook that is one bucket)."""
         st = self._step
-        while st.issued < len(self.buckets) and not st.pending[st.issued]:
-            k = st.issued
+        ready, unread = [], False
+        while st.issued + len(ready) < len(self.buckets) and not st.pending[st.issued + len(ready)]:
+            k = st.issued + len(ready)
             with record_function("dlion.contribute"):
-                contrib = self._contribute(k, step_no)
-            with record_function("dlion.exchange"):
-                slot = self._slots[k]
-                left_out = slot.left_out
-                gen = run_compacted(slot.algorithm, slot.wire, contrib, self.rank,
-                                    coin_key(self.seed, step_no, k), left_out.skip, left_out.kept)
-                st.pipeline.add(Flight(gen, self._first))
-            st.issued += 1
+                error = self._input_error(k)
+                made = self._local_values(k) if error is None else None
+            ready.append((k, error, made))
+            unread = unread or (made is not None and isinstance(made.finite, Tensor))
+            if not unread:  # nothing left on a device to read: this bucket leaves now
+                self._issue(*ready.pop(), step_no)
+        read_flags([made for _, _, made in ready if made is not None])
+        for k, error, made in ready:
+            self._issue(k, error, made, step_no)
+
+    def _issue(self, k: int, error: Optional[Exception], made: Optional[Contributed], step_no: int) -> None:
+        """Bucket k's first collective (the buckets before it issued already)."""
+        st = self._step
+        with record_function("dlion.contribute"):
+            contrib = self._contribution(k, step_no, error, made)
+        with record_function("dlion.exchange"):
+            slot = self._slots[k]
+            left_out = slot.left_out
+            gen = run_compacted(slot.algorithm, slot.wire, contrib, self.rank,
+                                coin_key(self.seed, step_no, k), left_out.skip, left_out.kept)
+            st.pipeline.add(Flight(gen, self._first))
+        st.issued += 1
 
     # -- the step ---------------------------------------------------------------
     #: ``torch.amp.GradScaler.step(opt)`` hands itself to ``step`` (``grad_scaler=``): the gradients are

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 from torch.distributed.algorithms.join import JoinHook
 
-from .buckets import Bucket, Contributed, all_finite, apply_codes
+from .buckets import _SIGN, Bucket, Contributed, _finite_flag, all_finite, apply_codes
 from .distributed import DistributedLion, _InFlight, _Step
 from .lion import Lion, check_grad
 from .quantize import quantize
@@ -191,7 +191,10 @@ class LocalDistributedLion(DistributedLion):
             self._progress[k].copy_(c)  # (its own progress, replaced by the agreed step one round later)
         if self.error_feedback:
             c.add_(self._error[k])
-        finite = all_finite(c) and not self._round_nonfinite
+        if c.device.type != "cpu":  # the flag stays on the device, read with the other buckets' (read_flags)
+            finite = torch.zeros((), dtype=torch.bool, device=c.device) if self._round_nonfinite else _finite_flag(c)
+        else:
+            finite = all_finite(c) and not self._round_nonfinite
         out = values[:b.numel]
         if self.aggregate == "quantized":
             for j, (o, n) in enumerate(zip(b.offsets, b.sizes)):
@@ -204,6 +207,9 @@ class LocalDistributedLion(DistributedLion):
                 out[b.offsets[j]:b.offsets[j] + b.sizes[j]].zero_()
         if self.streaming:  # the residual now: c is overwritten by the next round before Δ is back
             self._update_residual(k, present)
+        if isinstance(finite, Tensor) and self.aggregate != "quantized" and self.sign_hook is None:
+            # as buckets.contribute off the CPU: the 1-bit payload, and the zero count read with the flag
+            return Contributed(values, present, finite, _SIGN.encode(values), b.numel - torch.count_nonzero(out))
         return Contributed(values, present, finite)
 
     def _measure_progress(self, origin: list[Tensor]) -> None:

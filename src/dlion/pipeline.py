@@ -31,6 +31,13 @@ next gradient hook happens to fire. ``finish()`` waits for it.
 collective's result has been handed on (and once at the end), so that the
 caller can use finished buckets (apply them) while later ones are still on the
 wire: from the walk itself without the thread, while waiting for it with it.
+
+Off the CPU and without the thread, the headers that the algorithms read on the
+host (:attr:`dlion.wire.Request.head`) are read for every bucket whose collective
+is in flight at once, when the first of them is needed: one host synchronisation
+per round of collectives instead of one per bucket (:func:`dlion.wire.read_heads`).
+With the thread, buckets arrive one at a time from backward's hooks and each
+bucket's headers are read on the exchange thread as it comes.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from typing import Callable, Optional
 import torch
 
 from .collectives import GroupTransport
+from .wire import read_heads
 
 __all__ = ["Flight", "Pipeline"]
 
@@ -59,19 +67,33 @@ class Flight:
         self.outcome = None
         self.request: Optional[tuple] = None
         self.waited = 0.0  # seconds blocked in wait()
-        kind, send, label = next(gen)
-        self.work, self.out = first.issue(kind, send, label)
+        #: the collective in flight: its ``Request.head`` (None: no headers for the host), and once
+        #: waited for with other flights' (:meth:`Pipeline._fetch_heads`), its result with them read
+        self.head: Optional[tuple] = None
+        self.fetched = None
+        self._start(first, next(gen))
+
+    def _start(self, transport: GroupTransport, request) -> None:
+        kind, send, label = request
+        self.head = getattr(request, "head", None)
+        self.work, self.out = transport.issue(kind, send, label)
 
     @property
     def running(self) -> bool:
         return self.work is not None
 
-    def feed(self) -> None:
-        """Wait for the collective in flight and hand its result to the algorithm."""
+    def wait(self) -> None:
+        """Wait for the collective in flight."""
         t = time.perf_counter()
         self.work.wait()
         self.waited += time.perf_counter() - t
-        out, self.work, self.out = self.out, None, None
+
+    def feed(self) -> None:
+        """Wait for the collective in flight and hand its result to the algorithm."""
+        if self.fetched is None:
+            self.wait()
+        out = self.fetched if self.fetched is not None else self.out
+        self.work = self.out = self.fetched = self.head = None
         try:
             self.request = self.gen.send(out)
         except StopIteration as stop:
@@ -79,8 +101,8 @@ class Flight:
 
     def issue(self, transport: GroupTransport) -> None:
         """Issue the collective the algorithm asked for."""
-        (kind, send, label), self.request = self.request, None
-        self.work, self.out = transport.issue(kind, send, label)
+        request, self.request = self.request, None
+        self._start(transport, request)
 
     def advance(self, transport: GroupTransport, block: bool) -> bool:
         """Drive this flight alone (its later collectives on ``transport``); True when done."""
@@ -114,6 +136,8 @@ class Pipeline:
         #: called after each result is handed on: with the thread, wake finish(); without, its progress
         self._on_feed: Optional[Callable[[], None]] = self._notify if threaded else None
         self.blocked = 0.0  # seconds the caller of finish() was blocked
+        #: read the headers of every flight in flight at once (off the CPU, without the thread)
+        self._batch_heads = not threaded and device is not None and device.type != "cpu"
 
     def add(self, flight: Flight) -> None:
         """The next bucket's flight (bucket order), its first collective already issued."""
@@ -203,9 +227,20 @@ class Pipeline:
                 self._feed(f)
 
     def _feed(self, f: Flight) -> None:
+        if self._batch_heads and f.head is not None and f.fetched is None:
+            self._fetch_heads()
         f.feed()
         if self._on_feed is not None:
             self._on_feed()
+
+    def _fetch_heads(self) -> None:
+        """Wait for every flight whose collective in flight returns headers for the host, and read
+        all their headers with one copy (:func:`dlion.wire.read_heads`)."""
+        group = [f for f in self.flights if f.running and f.head is not None and f.fetched is None]
+        for f in group:
+            f.wait()
+        for f, got in zip(group, read_heads([(f.out, f.head) for f in group])):
+            f.fetched = got
 
     def _notify(self) -> None:
         with self._progress:

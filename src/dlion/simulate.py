@@ -18,8 +18,9 @@ import torch
 from torch import Tensor
 
 from .vote import VoteRule, coin_key
-from .wire import Contribution, WireState, choose_algorithm, make_algorithm, run_compacted
-from .buckets import LeftOut, RankBuffers, Scratch, apply_codes, contribute, layout_buckets, update_momentum
+from .wire import Contribution, WireState, choose_algorithm, make_algorithm, read_heads, run_compacted
+from .buckets import (LeftOut, RankBuffers, Scratch, apply_codes, contribute, layout_buckets, read_flags,
+                      update_momentum)
 from .collectives import CommStats, simulate_collective
 from .base import check_options, momentum_sync_due
 from .lion import check_hyperparameters, check_momentum_dtype, check_params
@@ -105,29 +106,36 @@ class SimulatedDistributedLion:
                                      f"expected {tuple(self.params[k].shape)}")
         step = self.step_count
         quant = (self.quant_levels, self.quant_norm) if self.aggregate == "quantized" else None
-        results = []
+        # every bucket's contributions first (as the buckets of a real step are all issued before any is
+        # waited for): off the CPU, their finiteness flags and zero counts are then read in one go
+        made = []
         for kb, b in enumerate(self.buckets):
-            gens, present, borrowed = [], [], [None] * N
+            made.append([])
             for i in range(N):
-                buf = self.buffers[i][kb]
-                made = contribute(b, buf, [grads[i][k] for k in b.indices], self.scratch, beta1=self.betas[0],
-                                  maximize=False, quant=quant, borrow=True)
-                values, has = made.values, made.present
-                borrowed[i] = made.borrowed
+                m = contribute(b, self.buffers[i][kb], [grads[i][k] for k in b.indices], self.scratch,
+                               beta1=self.betas[0], maximize=False, quant=quant, borrow=True, defer=True)
                 if self.sign_hooks[i] is not None:
-                    values[:b.numel] = self.sign_hooks[i](step, values[:b.numel].clone())
-                present.append(has)
+                    m.values[:b.numel] = self.sign_hooks[i](step, m.values[:b.numel].clone())
+                made[kb].append(m)
+        read_flags([m for ms in made for m in ms])
+        runs, presents, borroweds = [], [], []
+        for kb, b in enumerate(self.buckets):
+            gens = []
+            for i, m in enumerate(made[kb]):
                 own = self.sign_hooks[i] is None  # (a hook changes the values: no payload of contribute's then)
-                contrib = Contribution(values, b.numel, torch.tensor(has, dtype=torch.bool), 0, 0, sizes=b.sizes,
-                                       previous=self.last_votes[kb], packed=made.packed if own else None,
-                                       zeros=made.zeros if own else None)
+                contrib = Contribution(m.values, b.numel, torch.tensor(m.present, dtype=torch.bool), 0, 0,
+                                       sizes=b.sizes, previous=self.last_votes[kb], packed=m.packed if own else None,
+                                       zeros=m.zeros if own else None)
                 gens.append(run_compacted(self.algorithms[kb], self.wire[kb][i], contrib, i,
                                           coin_key(self.seed, step, kb), self.left_out[kb].skip,
                                           self.left_out[kb].kept))
-            outcome = _lockstep(gens, self.comm_stats)
+            runs.append(gens)
+            presents.append([m.present for m in made[kb]])
+            borroweds.append([m.borrowed for m in made[kb]])
+        outcomes = _lockstep_all(runs, self.comm_stats)
+        for kb, outcome in enumerate(outcomes):
             self.left_out[kb].update(outcome.has_grad)
-            results.append((outcome, present, borrowed))
-        for kb, (b, (outcome, present, borrowed)) in enumerate(zip(self.buckets, results)):
+        for kb, (b, outcome, present, borrowed) in enumerate(zip(self.buckets, outcomes, presents, borroweds)):
             active = outcome.has_grad.tolist()
             if any(active):
                 apply_codes(b, outcome.codes, active, self.updates[kb], self.update_views[kb], self.lr,
@@ -162,33 +170,58 @@ class SimulatedDistributedLion:
 def _lockstep(gens: list, stats: CommStats):
     """Run every worker's algorithm generator, one collective at a time; return worker 0's outcome
     (all workers reach the same one)."""
-    done = lockstep_outcomes(gens, stats)
+    return _lockstep_all([gens], stats)[0]
+
+
+def _lockstep_all(runs: list, stats: CommStats) -> list:
+    """Run every bucket's workers' algorithm generators (``runs[bucket][worker]``); return worker 0's
+    outcome per bucket (all workers reach the same one)."""
+    done = lockstep_buckets(runs, stats)
     # with the chunked 1-bit all-reduce each worker decided its own chunk (together, every
     # coordinate once); where every worker decides every coordinate, the counts are N times
     # as large and the fractions the same
-    stats.add_tallies([o.tally for o in done if o.tally is not None])
-    return done[0]
+    stats.add_tallies([o.tally for outs in done for o in outs if o.tally is not None])
+    return [outs[0] for outs in done]
 
 
 def lockstep_outcomes(gens: list, stats: CommStats, on_collective: Optional[Callable] = None) -> list:
     """Every worker's outcome of its algorithm generator, the collectives simulated one at a time;
     ``on_collective(kind, worker 0's input)`` sees each of them."""
-    ops = [next(g) for g in gens]
+    return lockstep_buckets([gens], stats, on_collective)[0]
+
+
+def lockstep_buckets(runs: list, stats: CommStats, on_collective: Optional[Callable] = None) -> list:
+    """:func:`lockstep_outcomes` for several buckets (``runs[bucket][worker]``), advanced together one
+    collective per bucket at a time, as a real step's buckets are all in flight together: the headers
+    that the algorithms read on the host (off the CPU) are read for every bucket and worker of a
+    round at once (:func:`dlion.wire.read_heads`). Every bucket's outcomes, per worker."""
+    ops = [[next(g) for g in gens] for gens in runs]
+    results: list = [None] * len(runs)
     while True:
-        kind, _, label = ops[0]
-        if any(op[0] != kind for op in ops):
-            raise AssertionError("simulated workers disagree on the next collective")
-        if on_collective is not None:
-            on_collective(kind, ops[0][1])
-        outs = simulate_collective(kind, [op[1] for op in ops], stats, label)
-        done, nxt = [], []
-        for g, out in zip(gens, outs):
-            try:
-                nxt.append(g.send(out))
-            except StopIteration as stop:
-                done.append(stop.value)
-        if done:
-            if nxt:
-                raise AssertionError("simulated workers disagree on the number of collectives")
-            return done
-        ops = nxt
+        live = [kb for kb in range(len(runs)) if results[kb] is None]
+        if not live:
+            return results
+        outs = {}
+        for kb in live:
+            kind, _, label = ops[kb][0]
+            if any(op[0] != kind for op in ops[kb]):
+                raise AssertionError("simulated workers disagree on the next collective")
+            if on_collective is not None:
+                on_collective(kind, ops[kb][0][1])
+            outs[kb] = simulate_collective(kind, [op[1] for op in ops[kb]], stats, label)
+        heads = [(kb, i) for kb in live for i, op in enumerate(ops[kb])
+                 if getattr(op, "head", None) is not None and outs[kb][i].device.type != "cpu"]
+        for (kb, i), got in zip(heads, read_heads([(outs[kb][i], ops[kb][i].head) for kb, i in heads])):
+            outs[kb][i] = got
+        for kb in live:
+            done, nxt = [], []
+            for g, out in zip(runs[kb], outs[kb]):
+                try:
+                    nxt.append(g.send(out))
+                except StopIteration as stop:
+                    done.append(stop.value)
+            if done:
+                if nxt:
+                    raise AssertionError("simulated workers disagree on the number of collectives")
+                results[kb] = done
+            ops[kb] = nxt

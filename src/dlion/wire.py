@@ -62,7 +62,7 @@ from .collectives import bytes_moved, field_width, pack_fields, unpack_fields
 
 __all__ = ["Contribution", "Outcome", "WireState", "Algorithm", "OneBit", "AllGather", "PBit", "Quantized",
            "ALGORITHMS", "make_algorithm", "choose_algorithm", "LATENCY_BYTES", "BAD", "NONFINITE",
-           "zero_runs", "runs_mask", "padded_length", "run_compacted"]
+           "zero_runs", "runs_mask", "padded_length", "run_compacted", "Request", "Received", "read_heads"]
 
 BAD, NONFINITE = 1, 2          # status bits a rank reports for a bucket
 _ABSTAINS, _FITS, _OVERFLOW = 4, 8, 16
@@ -339,10 +339,57 @@ def _blocks(headers: Tensor, payload: Tensor, blocks: int) -> Tensor:
     return torch.cat(parts, dim=1).reshape(-1)
 
 
-def _split(received: Tensor, blocks: int, header_words: int) -> tuple[Tensor, Tensor]:
-    """Inverse of :func:`_blocks`: (blocks, H) int32 headers (on the CPU) and (blocks, P) payload bytes."""
-    b = received.view(blocks, -1)
+class Request(tuple):
+    """A collective an algorithm asks for, ``(kind, send, label)``. ``head``: ``(blocks, header
+    words)`` when its result is blocks of a header and a payload (:func:`_blocks`) whose headers the
+    algorithm reads on the host; a driver may then read the headers of several such results with
+    one host synchronisation (:func:`read_heads`) and send the algorithm a :class:`Received`."""
+
+    head: Optional[tuple] = None
+
+
+def _request(kind: str, send: Tensor, label: str, head: Optional[tuple] = None) -> Request:
+    r = Request((kind, send, label))
+    r.head = head
+    return r
+
+
+@dataclass
+class Received:
+    """A collective's result whose headers a driver has already read on the host (:func:`read_heads`)."""
+
+    data: Tensor
+    headers: Tensor  # (blocks, header words) int32, on the CPU
+
+
+def read_heads(results: list) -> list:
+    """``results``: (received tensor, ``Request.head``) pairs. Their headers on the host, read with one
+    copy per device (a host synchronisation each) instead of one per result: :class:`Received` each."""
+    out: list = [None] * len(results)
+    by_device: dict = {}
+    for i, (data, _) in enumerate(results):
+        by_device.setdefault(data.device, []).append(i)
+    for idx in by_device.values():
+        parts = []
+        for i in idx:
+            data, (blocks, words) = results[i]
+            parts.append(data.view(blocks, -1)[:, :4 * words].reshape(-1))
+        host = torch.cat(parts).cpu()
+        at = 0
+        for i, part in zip(idx, parts):
+            data, (blocks, words) = results[i]
+            out[i] = Received(data, host[at:at + part.numel()].view(torch.int32).view(blocks, words))
+            at += part.numel()
+    return out
+
+
+def _split(received, blocks: int, header_words: int) -> tuple[Tensor, Tensor]:
+    """Inverse of :func:`_blocks`: (blocks, H) int32 headers (on the CPU) and (blocks, P) payload bytes.
+    ``received``: the collective's result, or a :class:`Received` whose headers were read already."""
     hb = 4 * header_words
+    if isinstance(received, Received):
+        return received.headers, received.data.view(blocks, -1)[:, hb:]
+    b = received.view(blocks, -1)
     headers = b[:, :hb].contiguous().view(torch.int32).cpu()
     return headers, b[:, hb:]
 
@@ -557,7 +604,7 @@ class OneBit(Algorithm):
             headers = _headers(contrib, N, cap, runs, slots=fmt == "runs", scattered=scattered)
             codec = _SIGN if fmt == "runs" else _TRIT
             body = packed if fmt == "runs" and packed is not None else codec.encode(contrib.values)
-            received = yield ("all_to_all", _blocks(headers, body, N), "signs")
+            received = yield _request("all_to_all", _blocks(headers, body, N), "signs", (N, headers.shape[1]))
             hdrs, payloads = _split(received, N, headers.shape[1])
             info = _read_headers(hdrs, k)
             if fmt == "runs" and info["overflow"]:
@@ -592,7 +639,8 @@ class OneBit(Algorithm):
             plain = self._codes_codec(True, "ternary")
             codes = None
             if down.block < plain.nbytes(c):  # (blocks as long as the longest chunk's can cost more)
-                codes = down.decode((yield ("all_gather", down.encode(mine, rank), "codes")))
+                codes = down.decode((yield _request("all_gather", down.encode(mine, rank), "codes",
+                                                    (N, down.head // 4))))
             if codes is None:  # or some chunk had more exceptions than fit: a plain format
                 codes = plain.decode((yield ("all_gather", plain.encode(mine), "codes")), n)
             out.codes = codes
@@ -600,7 +648,7 @@ class OneBit(Algorithm):
         # way back: every rank gathers every chunk's codes
         codec = down_codec
         block = self._down_block(mine, numel, lo, codec, cap)
-        gathered = yield ("all_gather", block, "codes")
+        gathered = yield _request("all_gather", block, "codes", (N, 1 + 2 * cap) if codec is None else None)
         codes = self._down_decode(gathered, N, c, codec, cap)
         if codes is None:  # some chunk has more zero runs than fit: everyone re-sends its codes in base 3
             state.down = "ternary"
@@ -716,8 +764,11 @@ class _ByVoters:
     def decode(self, gathered: Tensor) -> Optional[Tensor]:
         """Every chunk's codes, or None when some chunk's exceptions did not fit."""
         blocks = len(self.n1)
-        g = gathered.view(blocks, self.block)
-        heads = g[:, :self.head].contiguous().view(torch.int32).cpu()
+        if isinstance(gathered, Received):  # (its headers read already, with other buckets')
+            heads, g = gathered.headers, gathered.data.view(blocks, self.block)
+        else:
+            g = gathered.view(blocks, self.block)
+            heads = g[:, :self.head].contiguous().view(torch.int32).cpu()
         if bool((heads[:, 0] < 0).any()):
             return None
         codes = torch.zeros(blocks, self.width, dtype=torch.int16 if self.avg else torch.int8,
@@ -769,12 +820,14 @@ class AllGather(Algorithm):
     def run(self, state, contrib, rank, key):
         N, n, numel = self.world, contrib.values.numel(), contrib.numel
         k, cap = contrib.has_grad.numel(), _capacity(n)
-        runs = zero_runs(contrib.values, 1, numel)
+        # (the zero count made with the signs, where known, spares the search for zeros when there are none)
+        runs = _NO_RUNS if contrib.zeros == 0 else zero_runs(contrib.values, 1, numel)
         while True:
             fmt = state.up
             headers = _headers(contrib, 1, cap, runs, slots=fmt == "runs")
             codec = _SIGN if fmt == "runs" else _TRIT
-            received = yield ("all_gather", _blocks(headers, codec.encode(contrib.values), 1), "signs")
+            received = yield _request("all_gather", _blocks(headers, codec.encode(contrib.values), 1), "signs",
+                                      (N, headers.shape[1]))
             hdrs, payloads = _split(received, N, headers.shape[1])
             info = _read_headers(hdrs, k)
             if fmt == "runs" and info["overflow"]:
@@ -803,6 +856,15 @@ def _header_fields(contrib: Contribution, abstains: bool) -> Tensor:
     fields = torch.cat([head, contrib.has_grad.to(torch.int64).cpu(), digest_bits])
     pad = (-fields.numel()) % 8
     return torch.cat([fields, fields.new_zeros(pad)])
+
+
+def _to_device(host: Tensor, like: Tensor) -> Tensor:
+    """A small host tensor in ``like``'s dtype on its device; off the CPU from pinned memory, asynchronously
+    (a copy from pageable memory waits for the device)."""
+    host = host.to(like.dtype)
+    if like.device.type != "cpu":
+        return host.pin_memory().to(like.device, non_blocking=True)
+    return host
 
 
 def _counter_wire(n: int, k: int, width: int) -> list[tuple[str, int]]:
@@ -841,7 +903,7 @@ class PBit(Algorithm):
         N, n, numel = self.world, contrib.values.numel(), contrib.numel
         k = contrib.has_grad.numel()
         d = contrib.values
-        abstains = bool((d[:numel] == 0).any())
+        abstains = contrib.zeros > 0 if contrib.zeros is not None else bool((d[:numel] == 0).any())
         wide = state.up == "wide"
         while True:
             if wide:
@@ -849,7 +911,7 @@ class PBit(Algorithm):
             else:
                 v = (d > 0).to(torch.int32)
             width = self._width(wide)
-            head = _header_fields(contrib, abstains).to(v.device, v.dtype)
+            head = _to_device(_header_fields(contrib, abstains), v)
             words = pack_fields(torch.cat([v, head]), width)
             total = yield ("all_reduce", words, "counters")
             total = unpack_fields(total, width, n + head.numel())
@@ -896,7 +958,7 @@ class Quantized(Algorithm):
         k = contrib.has_grad.numel()
         width = field_width(2 * s * N)
         v = contrib.values.to(torch.int32) + s
-        head = _header_fields(contrib, False).to(v.device, v.dtype)
+        head = _to_device(_header_fields(contrib, False), v)
         total = yield ("all_reduce", pack_fields(torch.cat([v, head]), width), "quantized")
         total = unpack_fields(total, width, n + head.numel())
         info = _read_fields(total[n:], k, N)
