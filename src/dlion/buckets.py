@@ -300,7 +300,7 @@ def _eager_contribution(b: Bucket, buf: RankBuffers, grads: list[Optional[Tensor
         torch.mul(buf.grad, 1.0 - beta1, out=scaled)
     c.add_(scaled)
     # off the CPU: the flag stays on the device, for contribute (or read_flags) to read with the zero count
-    finite = _finite_flag(c) if c.device.type != "cpu" else all_finite(c)
+    finite = finite_flag(c) if c.device.type != "cpu" else all_finite(c)
     if quant is None:
         out.copy_(torch.sign(c, out=scaled))  # sign(0) = 0: an abstention
     else:
@@ -456,15 +456,15 @@ def apply_signs(b: Bucket, signs: Tensor, active: list[bool], lr: float, weight_
 
 def all_finite(c: Tensor) -> bool:
     """One min/max reduction (NaN propagates, ±inf shows at an end): much cheaper than isfinite().all()."""
-    return bool(_finite_flag(c))
+    return bool(finite_flag(c))
 
 
-def _finite_flag(c: Tensor) -> Tensor:
+def finite_flag(c: Tensor) -> Tensor:
     """:func:`all_finite` as a 0-d bool tensor on ``c``'s device (no host synchronisation)."""
     if not c.numel():
         return torch.ones((), dtype=torch.bool, device=c.device)
     return torch.isfinite(torch.stack(torch.aminmax(c.reshape(-1)))).all()
 
 
-__all__ += ["RankBuffers", "Contributed", "Scratch", "contribute", "read_flags", "fused_applies", "update_momentum", "scale_codes",
+__all__ += ["RankBuffers", "Contributed", "Scratch", "contribute", "read_flags", "fused_applies", "update_momentum", "scale_codes", "finite_flag", "all_finite",
             "apply_scaled_delta", "apply_codes", "apply_signs"]

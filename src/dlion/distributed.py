@@ -254,7 +254,7 @@ class DistributedLion(DistributedBase):
             self._scratch = Scratch()
             for b in self.buckets:
                 algorithm = self._make_algorithm(b.padded, len(b.params))
-                self._slots.append(FlatBucket(b, RankBuffers(b, momentum_dtype), algorithm, self._new_wire(algorithm),
+                self._slots.append(self._bucket_record(b, RankBuffers(b, momentum_dtype), algorithm, self._new_wire(algorithm),
                                               left_out=LeftOut(b), steps=torch.zeros(len(b.params))))
             # Optimizer state as views of per-bucket flat tensors: momenta and step counters.
             for s in self._slots:
@@ -273,6 +273,9 @@ class DistributedLion(DistributedBase):
             if overlap:
                 self._register_hooks()
         self._laid_out()
+
+    #: the record of a bucket (a subclass extends it)
+    _bucket_record = FlatBucket
 
     def _options(self) -> dict:
         return {**super()._options(), "overlap": self.overlap, "delay": self.delay}

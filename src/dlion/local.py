@@ -26,6 +26,7 @@ with ``ties="zero"`` (trits back).
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 import struct
 import zlib
 from typing import Iterable, Optional
@@ -34,13 +35,16 @@ import torch
 from torch import Tensor
 from torch.distributed.algorithms.join import JoinHook
 
-from .buckets import _SIGN, Bucket, Contributed, _finite_flag, all_finite, apply_codes
-from .distributed import DistributedLion, _InFlight, _Step
+from .buckets import Bucket, Contributed, all_finite, apply_codes, finite_flag
+from .codec import SignCodec
+from .distributed import DistributedLion, FlatBucket, _InFlight, _Step
 from .lion import Lion, check_grad
 from .quantize import quantize
 
 __all__ = ["LocalDistributedLion"]
 
+
+_SIGNS = SignCodec()  # (one instance: it caches its lookup tables per device)
 
 #: the options of :class:`DistributedLion` that :class:`LocalDistributedLion` takes as they are
 _FORWARDED = ("vote", "ties", "process_group", "comm", "aggregate", "quant_norm", "quant_bits", "bucket_cap_mb", "seed",
@@ -53,6 +57,19 @@ _NOT_APPLICABLE = {
     "momentum_sync": "the momenta are never averaged (each rank's inner Lion keeps its own).",
     "sign_hook": "the vote is on the rounds' progress, not on the signs of a step.",
 }
+
+
+@dataclass
+class LocalBucket(FlatBucket):
+    """A bucket of :class:`LocalDistributedLion`: the flat record, plus the anchor (parameter dtype,
+    identical on every rank), this rank's residual (error feedback), which parameters it touched this
+    round, and with ``streaming=True`` where its round started and its progress in the round in flight."""
+
+    anchor: Tensor = None
+    residual: Tensor = None
+    touched: list = None
+    round_start: Optional[Tensor] = None
+    progress: Optional[Tensor] = None
 
 
 class LocalDistributedLion(DistributedLion):
@@ -121,33 +138,28 @@ class LocalDistributedLion(DistributedLion):
         self.sync_every, self.outer_scale, self.error_feedback = sync_every, float(outer_scale), error_feedback
         self.streaming = streaming  # (read by DistributedLion.__init__: the exchange gets a thread and a group)
         super().__init__(params, lr, betas, weight_decay, **options)
-        #: per bucket: the anchor (parameter dtype, identical on every rank) and this rank's residual
-        self._anchor = [b.flat(b.params[0].dtype) for b in self.buckets]
-        self._error = [b.flat() for b in self.buckets]
-        #: per bucket and parameter: had this rank a gradient for it during the round
-        self._touched = [[False] * len(b.params) for b in self.buckets]
         #: per parameter group: S, the lr summed over the round's steps so far
         self._round_lr = [0.0] * len(self.param_groups)
         #: per parameter group: S of the round being exchanged (its outer step is α·S)
         self._flight_lr = [0.0] * len(self.param_groups)
-        #: streaming: per bucket, where this rank's round started, and its progress in the round in flight
-        self._start = [b.flat(b.params[0].dtype) for b in self.buckets] if streaming else []
-        self._progress = [b.flat() for b in self.buckets] if streaming else []
         self._round_error: Optional[Exception] = None
         self._round_nonfinite = False
-        for b, a, e in zip(self.buckets, self._anchor, self._error):
-            torch._foreach_copy_(b.views(a), [p.detach() for p in b.params])
-            for p, av, ev in zip(b.params, b.views(a), b.views(e)):
+        for s in self._slots:
+            b = s.bucket
+            s.anchor, s.residual, s.touched = b.flat(b.params[0].dtype), b.flat(), [False] * len(b.params)
+            torch._foreach_copy_(b.views(s.anchor), [p.detach() for p in b.params])
+            for p, av, ev in zip(b.params, b.views(s.anchor), b.views(s.residual)):
                 self.state[p]["anchor"] = av
                 self.state[p]["error"] = ev
-        for k, b in enumerate(self.buckets if streaming else []):
-            self._start[k].copy_(self._anchor[k])
-            for p, sv, dv in zip(b.params, b.views(self._start[k]), b.views(self._progress[k])):
-                self.state[p]["round_start"] = sv
-                self.state[p]["progress_in_flight"] = dv
+            if streaming:
+                s.round_start, s.progress = s.anchor.clone(), b.flat()
+                for p, sv, dv in zip(b.params, b.views(s.round_start), b.views(s.progress)):
+                    self.state[p]["round_start"] = sv
+                    self.state[p]["progress_in_flight"] = dv
 
     # -- what differs from every-step D-Lion ----------------------------------------
     _STATE_KIND = "local"
+    _bucket_record = LocalBucket
 
     def _options(self) -> dict:
         return {**super()._options(), "sync_every": self.sync_every, "outer_scale": self.outer_scale,
@@ -181,18 +193,18 @@ class LocalDistributedLion(DistributedLion):
         """s = sign(e + A − x) (or Lion Cub's q of it) for the parameters this rank touched; e + A − x
         is kept in the bucket's gradient buffer until the outcome is applied (a failed sync changes nothing)."""
         b, buf = self.buckets[k], self._slots[k].buffers
-        present = list(self._touched[k])
+        present = list(self._slots[k].touched)
         values = buf.values
         values.zero_()
         if not any(present):
             return Contributed(values, present, True)
         c = buf.grad  # this round's progress d (written by _measure_progress), then e + d
         if self.streaming:
-            self._progress[k].copy_(c)  # (its own progress, replaced by the agreed step one round later)
+            self._slots[k].progress.copy_(c)  # (its own progress, replaced by the agreed step one round later)
         if self.error_feedback:
-            c.add_(self._error[k])
+            c.add_(self._slots[k].residual)
         if c.device.type != "cpu":  # the flag stays on the device, read with the other buckets' (read_flags)
-            finite = torch.zeros((), dtype=torch.bool, device=c.device) if self._round_nonfinite else _finite_flag(c)
+            finite = torch.zeros((), dtype=torch.bool, device=c.device) if self._round_nonfinite else finite_flag(c)
         else:
             finite = all_finite(c) and not self._round_nonfinite
         out = values[:b.numel]
@@ -209,7 +221,7 @@ class LocalDistributedLion(DistributedLion):
             self._update_residual(k, present)
         if isinstance(finite, Tensor) and self.aggregate != "quantized" and self.sign_hook is None:
             # as buckets.contribute off the CPU: the 1-bit payload, and the zero count read with the flag
-            return Contributed(values, present, finite, _SIGN.encode(values), b.numel - torch.count_nonzero(out))
+            return Contributed(values, present, finite, _SIGNS.encode(values), b.numel - torch.count_nonzero(out))
         return Contributed(values, present, finite)
 
     def _measure_progress(self, origin: list[Tensor]) -> None:
@@ -231,7 +243,7 @@ class LocalDistributedLion(DistributedLion):
         for j, ok in enumerate(present):
             if ok:
                 c = buf.grad_views[j]
-                b.views(self._error[k])[j].copy_(c - c.abs().mean() * torch.sign(c))
+                b.views(self._slots[k].residual)[j].copy_(c - c.abs().mean() * torch.sign(c))
 
     def _apply(self, k: int, b: Bucket, o, present: list[bool], borrowed=None) -> None:
         """x ← A − α·S·Δ on the parameters some rank touched (A elsewhere: x = A there already on
@@ -239,16 +251,16 @@ class LocalDistributedLion(DistributedLion):
         buf, group = self._slots[k].buffers, b.group
         ps = [p.detach() for p in b.params]
         if self.streaming:  # keep what this rank did since the round in flight ended: s ← x − A + d
-            rest = b.views(self._start[k])
+            rest = b.views(self._slots[k].round_start)
             torch._foreach_copy_(rest, ps)
-            torch._foreach_sub_(rest, b.views(self._anchor[k]))
-            torch._foreach_add_(rest, b.views(self._progress[k]))
-        torch._foreach_copy_(ps, b.views(self._anchor[k]))
+            torch._foreach_sub_(rest, b.views(self._slots[k].anchor))
+            torch._foreach_add_(rest, b.views(self._slots[k].progress))
+        torch._foreach_copy_(ps, b.views(self._slots[k].anchor))
         active = o.has_grad.tolist()
         if any(active):
             apply_codes(b, o.codes, active, buf.work, buf.work_views, self._outer_lr(group), 0.0,
                         self.world_size if self.rule.vote == "avg" else 1, fused=group.get("fused", False))
-            torch._foreach_copy_(b.views(self._anchor[k]), ps)
+            torch._foreach_copy_(b.views(self._slots[k].anchor), ps)
         last = buf.last_vote
         if last is not None:  # ties="previous": this round's codes break the next round's ties
             if any(active):
@@ -256,7 +268,7 @@ class LocalDistributedLion(DistributedLion):
             else:
                 last.zero_()
         if self.streaming:  # x ← A + s: the agreed step replaces this rank's own progress of that round
-            torch._foreach_add_(ps, b.views(self._start[k]))
+            torch._foreach_add_(ps, b.views(self._slots[k].round_start))
         else:
             self._update_residual(k, present)
 
@@ -308,7 +320,8 @@ class LocalDistributedLion(DistributedLion):
     def _reset_round(self) -> None:
         """The next round starts: no lr summed, nothing touched, no error recorded."""
         self._round_lr = [0.0] * len(self.param_groups)
-        self._touched = [[False] * len(b.params) for b in self.buckets]
+        for s in self._slots:
+            s.touched = [False] * len(s.bucket.params)
         self._round_error, self._round_nonfinite = None, False
 
     def _inner_step(self, skip: bool = False) -> None:
@@ -332,7 +345,7 @@ class LocalDistributedLion(DistributedLion):
             return
         Lion.step(self)
         for k, b in enumerate(self.buckets):
-            t = self._touched[k]
+            t = self._slots[k].touched
             for j, p in enumerate(b.params):
                 if p.grad is not None:
                     t[j] = True
@@ -341,23 +354,23 @@ class LocalDistributedLion(DistributedLion):
         skipped = self.skipped_steps
         self._flight_lr = list(self._round_lr)
         try:
-            self._measure_progress(self._anchor)
+            self._measure_progress([s.anchor for s in self._slots])
             self._exchange(self.step_count)
         finally:
             self._reset_round()
         if self.skipped_steps != skipped:
             # (only a non-finite residual gets here): every rank restarts the round from the anchor
             for k, b in enumerate(self.buckets):
-                torch._foreach_copy_([p.detach() for p in b.params], b.views(self._anchor[k]))
-                self._error[k].nan_to_num_(0.0, 0.0, 0.0)
+                torch._foreach_copy_([p.detach() for p in b.params], b.views(self._slots[k].anchor))
+                self._slots[k].residual.nan_to_num_(0.0, 0.0, 0.0)
 
     def _stream_round(self) -> None:
         """Streaming: this round's progress is measured, the round in flight is applied (its Δ was
         exchanged during this round), and this round's exchange starts on the exchange thread."""
-        self._measure_progress(self._start)
+        self._measure_progress([s.round_start for s in self._slots])
         self.flush()
         for k, b in enumerate(self.buckets):  # the next round starts here
-            torch._foreach_copy_(b.views(self._start[k]), [p.detach() for p in b.params])
+            torch._foreach_copy_(b.views(self._slots[k].round_start), [p.detach() for p in b.params])
         self._flight_lr = list(self._round_lr)
         st = self._step = _Step(self)
         try:
@@ -411,7 +424,7 @@ class LocalDistributedLion(DistributedLion):
         try:
             with torch.no_grad():
                 for k, b in enumerate(self.buckets):
-                    torch._foreach_copy_([p.detach() for p in b.params], b.views(self._anchor[k]))
+                    torch._foreach_copy_([p.detach() for p in b.params], b.views(self._slots[k].anchor))
             yield
         finally:
             self._held_locals = outer
@@ -434,7 +447,7 @@ class LocalDistributedLion(DistributedLion):
                     sd["state"].setdefault(ids[id(p)], {})["local_param"] = local.clone()
             sd["dlion"]["local"] = {"sync_every": self.sync_every, "round_lr": list(self._round_lr),
                                     "flight_lr": list(self._flight_lr), "streaming": self.streaming,
-                                    "touched": [list(t) for t in self._touched],
+                                    "touched": [list(s.touched) for s in self._slots],
                                     "round_nonfinite": self._round_nonfinite}
         return sd
 
@@ -455,7 +468,7 @@ class LocalDistributedLion(DistributedLion):
         super().load_state_dict(state_dict, from_rank=from_rank)
         with torch.no_grad():
             for k, b in enumerate(self.buckets):
-                for p, av, ev in zip(b.params, b.views(self._anchor[k]), b.views(self._error[k])):
+                for p, av, ev in zip(b.params, b.views(self._slots[k].anchor), b.views(self._slots[k].residual)):
                     s = saved.get(id(p), {})
                     if "anchor" in s:
                         av.copy_(s["anchor"].reshape(av.shape))
@@ -469,7 +482,7 @@ class LocalDistributedLion(DistributedLion):
                     st["anchor"], st["error"] = av, ev
                     st.pop("local_param", None)
             for k, b in enumerate(self.buckets if self.streaming else []):
-                for p, sv, dv in zip(b.params, b.views(self._start[k]), b.views(self._progress[k])):
+                for p, sv, dv in zip(b.params, b.views(self._slots[k].round_start), b.views(self._slots[k].progress)):
                     s = saved.get(id(p), {})
                     sv.copy_(s["round_start"].reshape(sv.shape) if "round_start" in s else self.state[p]["anchor"])
                     if "progress_in_flight" in s:
@@ -483,7 +496,9 @@ class LocalDistributedLion(DistributedLion):
             self._flight_lr = [float(x) for x in local.get("flight_lr", self._flight_lr)]
         touched = local.get("touched") or []
         if [len(t) for t in touched] == [len(b.params) for b in self.buckets]:
-            self._touched = [[bool(x) for x in t] for t in touched]
+            for s, t in zip(self._slots, touched):
+                s.touched = [bool(x) for x in t]
         else:  # another layout: every parameter counts as touched (a zero residual and x = A abstain anyway)
-            self._touched = [[True] * len(b.params) for b in self.buckets]
+            for s in self._slots:
+                s.touched = [True] * len(s.bucket.params)
         self._round_nonfinite = bool(local.get("round_nonfinite", False))
