@@ -164,14 +164,7 @@ DDP_BATCHES = (5, 3, 4)  # rank 1 runs out first, then rank 2
 DDP_CONFIGS = [dict(vote="mavo", comm="1bit"), dict(vote="avg", comm="allgather"), dict(vote="mavo", comm="pbit")]
 
 
-def _ddp_model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(12, 400), nn.Tanh(), nn.Linear(400, 800), nn.Tanh(), nn.Linear(800, 5))
-
-
-def _ddp_batch(rank, t):
-    g = torch.Generator().manual_seed(100 * rank + t)
-    return torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)
+from test_nonfinite import _batch as _ddp_batch, _model as _ddp_model  # noqa: E402  (the hook tests' model)
 
 
 def ddp_join_worker(rank, world, with_opt):
