@@ -269,3 +269,64 @@ def test_distributed_lion_dense_step_per_rank_within_budget():
         assert {k: v for k, v in stats.items() if k != "wait_s"} == \
             {k: v for k, v in want_stats.items() if k != "wait_s"}
     assert all(torch.equal(a, b) for a, b in zip(dev[0][1], dev[1][1]))  # the replicas agree
+
+
+HIERARCHICAL_STEP = {  # one dense 1-bit step of HierarchicalDistributedLion on a 2 × 2 mesh, per rank
+    "dlion/hierarchical.py _fill_send": (2, "bucket",
+        "the reduce-scatter's header (has-gradient flags, bad-gradient flag, digest bits) is built on the "
+        "host and written into the device buffer: two copies from pageable memory"),
+    "dlion/hierarchical.py _contribute": (1, "bucket", "the reduce-scatter's header read back, per bucket"),
+    "dlion/buckets.py read_flags": (1, "bucket", "the slice's finiteness flag and zero count, per bucket"),
+    "dlion/wire.py _split": (1, "bucket", "the vote's received headers, per bucket"),
+    "dlion/hierarchical.py _or_all": (1, "bucket", "the gathered vote flags of the node's slices, per bucket"),
+}
+
+
+def _hierarchical_run(shape: tuple, steps: int, emulate: bool, budget: dict):
+    """HierarchicalDistributedLion(comm="1bit") on a ``shape`` = (nodes, ranks per node) mesh of threads,
+    two buckets; per rank, the syncs of every step after the first (checked against ``budget``), the
+    parameters and both statistics."""
+    from torch.distributed.device_mesh import init_device_mesh
+    g = torch.Generator().manual_seed(7)
+    params0 = [torch.randn(s, generator=g) for s in SHAPES]
+
+    def run(rank):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("node", "local"))
+        gg = torch.Generator().manual_seed(100 + rank)
+        grads0 = [[torch.randn(s, generator=gg) for s in SHAPES] for _ in range(steps)]
+        em = EmulatedDevice()
+        counts = []
+        with em if emulate else contextlib.nullcontext():
+            move = to_device if emulate else (lambda x: x)
+            params = [p.requires_grad_() for p in move([p.clone() for p in params0])]
+            grads = move(grads0)
+            opt = dlion.HierarchicalDistributedLion(params, lr=LR, mesh=mesh, comm="1bit", bucket_cap_mb=CAP_MB)
+            assert len(opt.buckets) == 2 and params[0].is_cuda == emulate
+            for step in range(steps):
+                for p, gr in zip(params, grads[step]):
+                    p.grad = gr
+                em.syncs.clear()
+                em.counting = step >= 1
+                opt.step()
+                em.counting = False
+                if step >= 1:
+                    check_budget(em, budget, {"step": 1, "bucket": len(opt.buckets)})
+                    counts.append(em.count())
+        stats = [{k: v for k, v in s.state_dict().items() if k != "wait_s"} for s in (opt.comm_stats, opt.local_stats)]
+        return counts, [p.detach().clone() for p in params], stats
+
+    return _threaded_ranks(shape[0] * shape[1], run)
+
+
+def test_hierarchical_dense_step_per_rank_within_budget():
+    """HierarchicalDistributedLion(comm="1bit") on a 2 × 2 mesh (four threads, two buckets): the syncs per
+    rank and step are within the budget, and the parameters and statistics are bitwise those of the
+    same ranks on CPU tensors."""
+    steps = 3
+    dev = _hierarchical_run((2, 2), steps, True, HIERARCHICAL_STEP)
+    cpu = _hierarchical_run((2, 2), steps, False, HIERARCHICAL_STEP)
+    for (counts, params, stats), (_, want, want_stats) in zip(dev, cpu):
+        assert counts == [12] * (steps - 1)
+        assert all(torch.equal(a, b) for a, b in zip(params, want))
+        assert stats == want_stats
+    assert all(torch.equal(a, b) for r in dev[1:] for a, b in zip(dev[0][1], r[1]))  # the replicas agree
