@@ -271,14 +271,15 @@ def test_distributed_lion_dense_step_per_rank_within_budget():
     assert all(torch.equal(a, b) for a, b in zip(dev[0][1], dev[1][1]))  # the replicas agree
 
 
-HIERARCHICAL_STEP = {  # one dense 1-bit step of HierarchicalDistributedLion on a 2 × 2 mesh, per rank
-    "dlion/hierarchical.py _fill_send": (2, "bucket",
-        "the reduce-scatter's header (has-gradient flags, bad-gradient flag, digest bits) is built on the "
-        "host and written into the device buffer: two copies from pageable memory"),
-    "dlion/hierarchical.py _contribute": (1, "bucket", "the reduce-scatter's header read back, per bucket"),
-    "dlion/buckets.py read_flags": (1, "bucket", "the slice's finiteness flag and zero count, per bucket"),
-    "dlion/wire.py _split": (1, "bucket", "the vote's received headers, per bucket"),
-    "dlion/hierarchical.py _or_all": (1, "bucket", "the gathered vote flags of the node's slices, per bucket"),
+HIERARCHICAL_STEP = {  # one dense 1-bit step of HierarchicalDistributedLion, per rank
+    "dlion/hierarchical.py _read_together": (1, "node round",
+        "inside the node, every bucket's reduced headers (which ranks had gradients, a bad gradient, the "
+        "digest bits) after the reduce-scatters, and every slice's vote flags after the all-gathers: one "
+        "copy each (with one rank per node the header and the flags are the rank's own: none)"),
+    "dlion/buckets.py read_flags": (1, "step",
+        "every slice's finiteness flag and zero count together: the vote's header is built on the host"),
+    "dlion/wire.py read_heads": (1, "round", DENSE_1BIT["dlion/wire.py read_heads"][2]),
+    # no _fill_send: the reduce-scatter's header goes to the device from pinned memory, asynchronously
 }
 
 
@@ -310,7 +311,7 @@ def _hierarchical_run(shape: tuple, steps: int, emulate: bool, budget: dict):
                 opt.step()
                 em.counting = False
                 if step >= 1:
-                    check_budget(em, budget, {"step": 1, "bucket": len(opt.buckets)})
+                    check_budget(em, budget, {"step": 1, "round": 1, "node round": 2 if shape[1] > 1 else 0})
                     counts.append(em.count())
         stats = [{k: v for k, v in s.state_dict().items() if k != "wait_s"} for s in (opt.comm_stats, opt.local_stats)]
         return counts, [p.detach().clone() for p in params], stats
@@ -318,15 +319,18 @@ def _hierarchical_run(shape: tuple, steps: int, emulate: bool, budget: dict):
     return _threaded_ranks(shape[0] * shape[1], run)
 
 
-def test_hierarchical_dense_step_per_rank_within_budget():
-    """HierarchicalDistributedLion(comm="1bit") on a 2 × 2 mesh (four threads, two buckets): the syncs per
-    rank and step are within the budget, and the parameters and statistics are bitwise those of the
-    same ranks on CPU tensors."""
+@pytest.mark.parametrize("shape, syncs", [((2, 2), 4), ((2, 1), 2)])
+def test_hierarchical_dense_step_per_rank_within_budget(shape, syncs):
+    """HierarchicalDistributedLion(comm="1bit") on a 2 × 2 mesh (four threads) and on two nodes of one rank,
+    two buckets: per rank and step, one read of every bucket's reduced headers, one of every slice's
+    finiteness flag and zero count, one of every vote's received headers and one of every slice's vote
+    flags (12 before: six per bucket); with one rank per node only the two of the flat optimizer. The
+    parameters and both statistics are bitwise those of the same ranks on CPU tensors."""
     steps = 3
-    dev = _hierarchical_run((2, 2), steps, True, HIERARCHICAL_STEP)
-    cpu = _hierarchical_run((2, 2), steps, False, HIERARCHICAL_STEP)
+    dev = _hierarchical_run(shape, steps, True, HIERARCHICAL_STEP)
+    cpu = _hierarchical_run(shape, steps, False, HIERARCHICAL_STEP)
     for (counts, params, stats), (_, want, want_stats) in zip(dev, cpu):
-        assert counts == [12] * (steps - 1)
+        assert counts == [syncs] * (steps - 1)
         assert all(torch.equal(a, b) for a, b in zip(params, want))
         assert stats == want_stats
     assert all(torch.equal(a, b) for r in dev[1:] for a, b in zip(dev[0][1], r[1]))  # the replicas agree
