@@ -334,3 +334,78 @@ def test_hierarchical_dense_step_per_rank_within_budget(shape, syncs):
         assert all(torch.equal(a, b) for a, b in zip(params, want))
         assert stats == want_stats
     assert all(torch.equal(a, b) for r in dev[1:] for a, b in zip(dev[0][1], r[1]))  # the replicas agree
+
+
+DDP_HOOK_STEP = {  # one step of DDP with dlion_hook (comm="1bit"), per rank
+    "dlion/integrations/ddp.py _eager_contribution": (1, "bucket",
+        "inside backward's hook: the bucket's finiteness flag and zero count in one read; the 1-bit "
+        "header that the hook's first collective carries is built on the host from them (2 before: "
+        "bool() of the flag, then a check for zeros)"),
+    "dlion/wire.py _split": (1, "bucket",
+        "the received headers, in the collective's completion callback (here it may run inside the hook: "
+        "the threaded group completes the collective before the hook returns)"),
+}
+
+
+def test_ddp_hook_step_per_rank_within_budget():
+    """DistributedDataParallel with dlion_hook on two ranks (threads, several buckets): one read per bucket
+    inside the hook, one in its callback. Backward runs without
+    the thread's torch-function modes, so the hook is audited by entering the mode inside it, and the
+    tensors DDP makes in C++ (the bucket, the gradients it writes) are tagged by hand. Parameters are
+    bitwise those of the same ranks on CPU tensors."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from dlion.integrations.ddp import ApplyDelta, DLionHookState, dlion_hook
+    world, steps = 2, 3
+
+    def run(rank, emulate: bool):
+        model = torch.nn.Sequential(torch.nn.Linear(16, 96), torch.nn.Tanh(), torch.nn.Linear(96, 4))
+        gi = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=gi) * 0.2)
+        em = EmulatedDevice()
+        mode = em if emulate else contextlib.nullcontext()
+        counts, buckets = [], set()
+        with mode:
+            if emulate:
+                for p in model.parameters():
+                    em.tags[p] = True
+            ddp = DDP(model, bucket_cap_mb=0.001)
+            state = DLionHookState(ddp.module, bucket_cap_mb=0.001)
+
+            def hook(st, bucket):
+                buckets.add(bucket.index())
+                if emulate:
+                    em.tags[bucket.buffer()] = True
+                with mode:
+                    return dlion_hook(st, bucket)
+
+            ddp.register_comm_hook(state, hook)
+            opt = ApplyDelta(ddp.parameters(), lr=LR, weight_decay=0.1)
+            g = torch.Generator().manual_seed(100 + rank)
+            for step in range(steps):
+                x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+                if emulate:
+                    x, y = to_device(x), to_device(y)
+                em.syncs.clear()
+                buckets.clear()
+                em.counting = step >= 1  # (DDP rebuilds its buckets after the first iteration)
+                ((ddp(x) - y) ** 2).mean().backward()
+                if emulate:
+                    for p in model.parameters():
+                        em.tags[p.grad] = True
+                opt.step()
+                opt.zero_grad()
+                em.counting = False
+                if step >= 1:
+                    check_budget(em, DDP_HOOK_STEP, {"bucket": len(buckets)})
+                    counts.append((len(buckets), em.by_function()))
+        return counts, [p.detach().clone() for p in model.parameters()]
+
+    dev = _threaded_ranks(world, lambda rank: run(rank, True))
+    cpu = _threaded_ranks(world, lambda rank: run(rank, False))
+    for (counts, params), (_, want) in zip(dev, cpu):
+        assert all(k >= 2 and by == {"dlion/integrations/ddp.py _eager_contribution": k, "dlion/wire.py _split": k}
+                   for k, by in counts), counts
+        assert all(torch.equal(a, b) for a, b in zip(params, want))
+    assert all(torch.equal(a, b) for a, b in zip(dev[0][1], dev[1][1]))
