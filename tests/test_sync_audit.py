@@ -269,3 +269,143 @@ def test_distributed_lion_dense_step_per_rank_within_budget():
         assert {k: v for k, v in stats.items() if k != "wait_s"} == \
             {k: v for k, v in want_stats.items() if k != "wait_s"}
     assert all(torch.equal(a, b) for a, b in zip(dev[0][1], dev[1][1]))  # the replicas agree
+
+
+HIERARCHICAL_STEP = {  # one dense 1-bit step of HierarchicalDistributedLion, per rank
+    "dlion/hierarchical.py _read_together": (1, "node round",
+        "inside the node, every bucket's reduced headers (which ranks had gradients, a bad gradient, the "
+        "digest bits) after the reduce-scatters, and every slice's vote flags after the all-gathers: one "
+        "copy each (with one rank per node the header and the flags are the rank's own: none)"),
+    "dlion/buckets.py read_flags": (1, "step",
+        "every slice's finiteness flag and zero count together: the vote's header is built on the host"),
+    "dlion/wire.py read_heads": (1, "round", DENSE_1BIT["dlion/wire.py read_heads"][2]),
+    # no _fill_send: the reduce-scatter's header goes to the device from pinned memory, asynchronously
+}
+
+
+def _hierarchical_run(shape: tuple, steps: int, emulate: bool, budget: dict):
+    """HierarchicalDistributedLion(comm="1bit") on a ``shape`` = (nodes, ranks per node) mesh of threads,
+    two buckets; per rank, the syncs of every step after the first (checked against ``budget``), the
+    parameters and both statistics."""
+    from torch.distributed.device_mesh import init_device_mesh
+    g = torch.Generator().manual_seed(7)
+    params0 = [torch.randn(s, generator=g) for s in SHAPES]
+
+    def run(rank):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("node", "local"))
+        gg = torch.Generator().manual_seed(100 + rank)
+        grads0 = [[torch.randn(s, generator=gg) for s in SHAPES] for _ in range(steps)]
+        em = EmulatedDevice()
+        counts = []
+        with em if emulate else contextlib.nullcontext():
+            move = to_device if emulate else (lambda x: x)
+            params = [p.requires_grad_() for p in move([p.clone() for p in params0])]
+            grads = move(grads0)
+            opt = dlion.HierarchicalDistributedLion(params, lr=LR, mesh=mesh, comm="1bit", bucket_cap_mb=CAP_MB)
+            assert len(opt.buckets) == 2 and params[0].is_cuda == emulate
+            for step in range(steps):
+                for p, gr in zip(params, grads[step]):
+                    p.grad = gr
+                em.syncs.clear()
+                em.counting = step >= 1
+                opt.step()
+                em.counting = False
+                if step >= 1:
+                    check_budget(em, budget, {"step": 1, "round": 1, "node round": 2 if shape[1] > 1 else 0})
+                    counts.append(em.count())
+        stats = [{k: v for k, v in s.state_dict().items() if k != "wait_s"} for s in (opt.comm_stats, opt.local_stats)]
+        return counts, [p.detach().clone() for p in params], stats
+
+    return _threaded_ranks(shape[0] * shape[1], run)
+
+
+@pytest.mark.parametrize("shape, syncs", [((2, 2), 4), ((2, 1), 2)])
+def test_hierarchical_dense_step_per_rank_within_budget(shape, syncs):
+    """HierarchicalDistributedLion(comm="1bit") on a 2 × 2 mesh (four threads) and on two nodes of one rank,
+    two buckets: per rank and step, one read of every bucket's reduced headers, one of every slice's
+    finiteness flag and zero count, one of every vote's received headers and one of every slice's vote
+    flags (12 before: six per bucket); with one rank per node only the two of the flat optimizer. The
+    parameters and both statistics are bitwise those of the same ranks on CPU tensors."""
+    steps = 3
+    dev = _hierarchical_run(shape, steps, True, HIERARCHICAL_STEP)
+    cpu = _hierarchical_run(shape, steps, False, HIERARCHICAL_STEP)
+    for (counts, params, stats), (_, want, want_stats) in zip(dev, cpu):
+        assert counts == [syncs] * (steps - 1)
+        assert all(torch.equal(a, b) for a, b in zip(params, want))
+        assert stats == want_stats
+    assert all(torch.equal(a, b) for r in dev[1:] for a, b in zip(dev[0][1], r[1]))  # the replicas agree
+
+
+DDP_HOOK_STEP = {  # one step of DDP with dlion_hook (comm="1bit"), per rank
+    "dlion/integrations/ddp.py _eager_contribution": (1, "bucket",
+        "inside backward's hook: the bucket's finiteness flag and zero count in one read; the 1-bit "
+        "header that the hook's first collective carries is built on the host from them (2 before: "
+        "bool() of the flag, then a check for zeros)"),
+    "dlion/wire.py _split": (1, "bucket",
+        "the received headers, in the collective's completion callback (here it may run inside the hook: "
+        "the threaded group completes the collective before the hook returns)"),
+}
+
+
+def test_ddp_hook_step_per_rank_within_budget():
+    """DistributedDataParallel with dlion_hook on two ranks (threads, several buckets): one read per bucket
+    inside the hook, one in its callback. Backward runs without
+    the thread's torch-function modes, so the hook is audited by entering the mode inside it, and the
+    tensors DDP makes in C++ (the bucket, the gradients it writes) are tagged by hand. Parameters are
+    bitwise those of the same ranks on CPU tensors."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from dlion.integrations.ddp import ApplyDelta, DLionHookState, dlion_hook
+    world, steps = 2, 3
+
+    def run(rank, emulate: bool):
+        model = torch.nn.Sequential(torch.nn.Linear(16, 96), torch.nn.Tanh(), torch.nn.Linear(96, 4))
+        gi = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=gi) * 0.2)
+        em = EmulatedDevice()
+        mode = em if emulate else contextlib.nullcontext()
+        counts, buckets = [], set()
+        with mode:
+            if emulate:
+                for p in model.parameters():
+                    em.tags[p] = True
+            ddp = DDP(model, bucket_cap_mb=0.001)
+            state = DLionHookState(ddp.module, bucket_cap_mb=0.001)
+
+            def hook(st, bucket):
+                buckets.add(bucket.index())
+                if emulate:
+                    em.tags[bucket.buffer()] = True
+                with mode:
+                    return dlion_hook(st, bucket)
+
+            ddp.register_comm_hook(state, hook)
+            opt = ApplyDelta(ddp.parameters(), lr=LR, weight_decay=0.1)
+            g = torch.Generator().manual_seed(100 + rank)
+            for step in range(steps):
+                x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+                if emulate:
+                    x, y = to_device(x), to_device(y)
+                em.syncs.clear()
+                buckets.clear()
+                em.counting = step >= 1  # (DDP rebuilds its buckets after the first iteration)
+                ((ddp(x) - y) ** 2).mean().backward()
+                if emulate:
+                    for p in model.parameters():
+                        em.tags[p.grad] = True
+                opt.step()
+                opt.zero_grad()
+                em.counting = False
+                if step >= 1:
+                    check_budget(em, DDP_HOOK_STEP, {"bucket": len(buckets)})
+                    counts.append((len(buckets), em.by_function()))
+        return counts, [p.detach().clone() for p in model.parameters()]
+
+    dev = _threaded_ranks(world, lambda rank: run(rank, True))
+    cpu = _threaded_ranks(world, lambda rank: run(rank, False))
+    for (counts, params), (_, want) in zip(dev, cpu):
+        assert all(k >= 2 and by == {"dlion/integrations/ddp.py _eager_contribution": k, "dlion/wire.py _split": k}
+                   for k, by in counts), counts
+        assert all(torch.equal(a, b) for a, b in zip(params, want))
+    assert all(torch.equal(a, b) for a, b in zip(dev[0][1], dev[1][1]))

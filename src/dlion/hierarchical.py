@@ -39,8 +39,8 @@ from torch import Tensor
 from torch.distributed.algorithms.join import JoinHook
 
 from .base import BucketState, DistributedBase, momentum_sync_due
-from .buckets import Bucket, RankBuffers, Scratch, apply_scaled_delta, contribute, layout_buckets, rebind_groups, \
-    update_momentum
+from .buckets import Bucket, Contributed, RankBuffers, Scratch, apply_scaled_delta, contribute, layout_buckets, \
+    read_flags, rebind_groups, update_momentum
 from .collectives import CommStats, GroupTransport
 from .pipeline import Flight, Pipeline
 from .replicas import average_momenta
@@ -259,25 +259,40 @@ class HierarchicalDistributedLion(DistributedBase):
         L = self.local_world_size
         # 1. inside the node: reduce-scatter of the gradients (+ headers), every bucket issued at once
         errors: list = []
-        scatters = []
+        scatters, own_heads = [], []
         for k, b in enumerate(self.buckets):
-            error = self._fill_send(k)
+            error, head = self._fill_send(k)
             errors.append(error)
+            own_heads.append(head)
             if L == 1:
                 scatters.append((_Done, self._slots[k].send.view(-1)))
             else:
                 scatters.append(self._local.issue("reduce_scatter", self._slots[k].send.view(-1), "grad_reduce_scatter"))
-        # 2. per bucket in order: the node's Lion direction on my slice, then the vote's first collective
+        # 2. the node's Lion direction on my slice of each bucket, then the vote's first collective. On the
+        # CPU bucket by bucket, as each reduce-scatter arrives; off it, every reduce-scatter is waited for and
+        # their headers are read in one copy, then every slice's finiteness flag and zero count in another
         flights, presents = [], []
-        for k, (work, recv) in enumerate(scatters):
-            work.wait()
-            contrib, present = self._contribute(k, recv, step_no, errors[k] is not None)
-            presents.append(present)
-            gen = self._slots[k].algorithm.run(self._slots[k].wire, contrib, self.node,
-                                          coin_key(self.seed, step_no, k * L + self.local_rank))
-            flights.append(Flight(gen, self._inter))
-        # 3. across nodes: the later collectives of each vote, in slot order (dlion.pipeline)
-        pipeline = Pipeline(len(flights), self._inter, self._inter)
+        device = next((b.device for b in self.buckets if b.device.type != "cpu"), None)
+        if device is None:
+            for k, (work, recv) in enumerate(scatters):
+                work.wait()
+                local = self._contribute(k, recv, recv[self._slots[k].slice.padded:].tolist(), errors[k] is not None)
+                presents.append(self._start_vote(k, local, step_no, flights))
+        else:
+            for work, _ in scatters:
+                work.wait()
+            recvs = [recv for _, recv in scatters]
+            # (one rank per node: the reduced headers are this rank's own, known on the host)
+            heads = own_heads if L == 1 else _read_together([recv[self._slots[k].slice.padded:]
+                                                             for k, recv in enumerate(recvs)])
+            locals_ = [self._contribute(k, recv, head, errors[k] is not None, defer=True)
+                       for k, (recv, head) in enumerate(zip(recvs, heads))]
+            read_flags([local.made for local in locals_ if local.made is not None])
+            for k, local in enumerate(locals_):
+                presents.append(self._start_vote(k, local, step_no, flights))
+        # 3. across nodes: the later collectives of each vote, in slot order (dlion.pipeline); off the CPU the
+        # headers of every bucket's vote are read in one copy per round (dlion.wire.read_heads)
+        pipeline = Pipeline(len(flights), self._inter, self._inter, device=device)
         for f in flights:
             pipeline.add(f)
         pipeline.finish()
@@ -295,9 +310,10 @@ class HierarchicalDistributedLion(DistributedBase):
             joined.wait()
         return loss
 
-    def _fill_send(self, k: int) -> Optional[Exception]:
+    def _fill_send(self, k: int) -> tuple[Optional[Exception], list]:
         """This rank's reduce-scatter input for bucket k: per slice, its gradients (0 where it has
-        none) followed by the header (has-gradient per parameter, bad-gradient flag, digest bits)."""
+        none) followed by the header (has-gradient per parameter, bad-gradient flag, digest bits). Returns
+        this rank's invalid gradient (or None) and the header's values, written from pinned memory off the CPU."""
         b, send = self.buckets[k], self._slots[k].send
         L, S = self.local_world_size, b.padded // self.local_world_size
         error = self._grad_error(b)
@@ -314,19 +330,23 @@ class HierarchicalDistributedLion(DistributedBase):
                     v.zero_()
         send[:, :S].copy_(G.view(L, S))
         head = send[0, S:]
-        kp = len(b.params)
-        head[:kp] = torch.tensor(present, dtype=head.dtype)
-        head[kp] = float(error is not None)
         digest = self._digest(b.group)
-        head[kp + 1:] = torch.tensor([(digest >> i) & 1 for i in range(_DIGEST_BITS)], dtype=head.dtype)
+        values = [int(ok) for ok in present] + [int(error is not None)] + \
+            [(digest >> i) & 1 for i in range(_DIGEST_BITS)]
+        host = torch.tensor(values, dtype=head.dtype)
+        if head.device.type != "cpu":  # from pinned memory, asynchronously (from pageable memory it would wait)
+            head.copy_(host.pin_memory(), non_blocking=True)
+        else:
+            head.copy_(host)
         send[1:, S:] = head
-        return error
+        return error, values
 
-    def _contribute(self, k: int, recv: Tensor, step: int, own_error: bool) -> tuple[Contribution, list[bool]]:
-        """The node's Lion direction on this rank's slice of bucket k, from the reduced slice ``recv``."""
+    def _contribute(self, k: int, recv: Tensor, head: list, own_error: bool, defer: bool = False) -> "_NodeSlice":
+        """The node's Lion direction on this rank's slice of bucket k, from the reduced slice ``recv`` and its
+        header ``head`` read on the host. ``defer``: off the CPU, the finiteness flag and the zero count stay
+        on the device for :func:`dlion.buckets.read_flags` (then :meth:`_start_vote`)."""
         b, s, sbuf = self.buckets[k], self._slots[k].slice, self._slots[k].buffers
         L, S, kp = self.local_world_size, s.padded, len(b.params)
-        head = recv[S:].tolist()
         node_has = [h > 0 for h in head[:kp]]
         status = BAD if (head[kp] > 0 or own_error) else 0
         bits = head[kp + 1:]
@@ -336,9 +356,9 @@ class HierarchicalDistributedLion(DistributedBase):
             digest = 2 * self.node + 1
         group = b.group
         present = [node_has[i] for i in s.owner]
+        made = None
         if status & BAD:
             sbuf.values.zero_()
-            packed = zeros = None
             present = [False] * len(present)
         else:
             mean = recv[:S]
@@ -347,19 +367,31 @@ class HierarchicalDistributedLion(DistributedBase):
             quant = (self.quant_levels, self.quant_norm) if self.aggregate == "quantized" else None
             grads = [v if ok else None for v, ok in zip(s.views(mean), present)]
             made = contribute(s, sbuf, grads, self._scratch, beta1=group["betas"][0], maximize=group["maximize"],
-                              quant=quant, fused=self.fused)  # (the reduced slice is ours: nothing borrowed)
-            present, finite, packed, zeros = made.present, made.finite, made.packed, made.zeros
-            if not finite:
+                              quant=quant, fused=self.fused, defer=defer)  # (the reduced slice: nothing borrowed)
+            present = made.present
+        return _NodeSlice(node_has, status, digest, present, made)
+
+    def _start_vote(self, k: int, local: "_NodeSlice", step_no: int, flights: list) -> list[bool]:
+        """Bucket k's vote across nodes from :meth:`_contribute`'s slice (its flags read): its first collective
+        issued (a :class:`Flight` appended to ``flights``); which of the slice's pieces had a gradient."""
+        status, made, packed, zeros = local.status, local.made, None, None
+        if made is not None:
+            packed, zeros = made.packed, made.zeros
+            if not made.finite:
                 status |= NONFINITE
-        return Contribution(sbuf.values, s.numel, torch.tensor(node_has, dtype=torch.bool), status, digest,
-                            packed=packed, zeros=zeros), present
+        contrib = Contribution(self._slots[k].buffers.values, self._slots[k].slice.numel,
+                               torch.tensor(local.node_has, dtype=torch.bool), status, local.digest,
+                               packed=packed, zeros=zeros)
+        gen = self._slots[k].algorithm.run(self._slots[k].wire, contrib, self.node,
+                                           coin_key(self.seed, step_no, k * self.local_world_size + self.local_rank))
+        flights.append(Flight(gen, self._inter))
+        return local.present
 
     def _pack(self, k: int, o: Outcome) -> Tensor:
         """This slice's codes (int8; int16 beyond 127 nodes) and the vote's flags, for the all-gather."""
         S = self._slots[k].slice.padded
         dtype = torch.int8 if self.num_nodes <= 127 else torch.int16
-        flags = (_FLAG_BAD if o.bad else 0) | (_FLAG_NONFINITE if o.nonfinite else 0) | \
-            (0 if o.digests_agree else _FLAG_DIGEST)
+        flags = _outcome_flags(o)
         out = torch.zeros(S + 1, dtype=dtype, device=self.buckets[k].device)
         if o.codes is not None:
             out[:S] = o.codes[:S]
@@ -375,8 +407,13 @@ class HierarchicalDistributedLion(DistributedBase):
         # the votes this rank decided (its chunk of its slice, for 1bit)
         self.comm_stats.add_tallies([f.outcome.tally for f in flights if f.outcome.tally is not None])
         flags = 0
-        for r in rows:
-            flags |= _or_all(r[:, -1])
+        if self.local_world_size == 1:  # (the rows are this rank's own: their flags are the outcomes')
+            for f in flights:
+                flags |= _outcome_flags(f.outcome)
+        else:  # every slice's flags, every bucket's read in one copy
+            for col in _read_together([r[:, -1] for r in rows]):
+                for v in col:
+                    flags |= int(v)
         if self._skips(step_no, own_error=next((e for e in errors if e is not None), None),
                        bad=bool(flags & _FLAG_BAD), digests_agree=not flags & _FLAG_DIGEST,
                        nonfinite=bool(flags & _FLAG_NONFINITE)):
@@ -478,8 +515,36 @@ class HierarchicalDistributedLion(DistributedBase):
                 self.local_stats.load_state_dict(extra["local_stats"])
 
 
-def _or_all(t: Tensor) -> int:
-    out = 0
-    for v in t.tolist():
-        out |= int(v)
+@dataclass
+class _NodeSlice:
+    """What :meth:`HierarchicalDistributedLion._contribute` made of one bucket's reduced slice: per parameter
+    of the bucket, had any rank of the node a gradient; the status and digest for the vote; per piece of
+    the slice, does it take part; and the contribution (None when the node rejected its gradients)."""
+
+    node_has: list
+    status: int
+    digest: int
+    present: list
+    made: Optional[Contributed]
+
+
+def _outcome_flags(o: Outcome) -> int:
+    return (_FLAG_BAD if o.bad else 0) | (_FLAG_NONFINITE if o.nonfinite else 0) | \
+        (0 if o.digests_agree else _FLAG_DIGEST)
+
+
+def _read_together(parts: list) -> list[list]:
+    """Small 1-D tensors (headers, flags) as lists of numbers on the host, read with one copy per device
+    (one host synchronisation each, not one per tensor). Their values are integers (flags, sums of a few
+    ranks' 0/1), read as such."""
+    out: list = [None] * len(parts)
+    by_device: dict = {}
+    for i, t in enumerate(parts):
+        by_device.setdefault(t.device, []).append(i)
+    for idx in by_device.values():
+        flat = torch.cat([parts[i].reshape(-1).to(torch.int64) for i in idx]).tolist()
+        at = 0
+        for i in idx:
+            n = parts[i].numel()
+            out[i], at = flat[at:at + n], at + n
     return out

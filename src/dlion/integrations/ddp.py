@@ -77,6 +77,8 @@ from torch import Tensor
 from torch.distributed.algorithms.join import JoinHook, Joinable
 
 from .. import kernels
+from ..buckets import finite_flag
+from ..codec import SignCodec
 from ..vote import VoteRule, coin_key
 from ..wire import Contribution, WireState, make_algorithm, padded_length
 from ..collectives import CommStats, GroupTransport
@@ -86,6 +88,7 @@ from ..lion import check_hyperparameters, check_momentum_dtype, lion_momentum_up
 __all__ = ["DLionHookState", "dlion_hook", "ApplyDelta", "per_bucket_groups"]
 
 _HOOK_COMMS = ("1bit", "allgather", "pbit")
+_SIGN = SignCodec()
 
 #: every live DLionHookState (ApplyDelta finds the states that vote on its parameters here)
 _STATES: "weakref.WeakSet" = weakref.WeakSet()
@@ -267,15 +270,24 @@ class DLionHookState:
 
 def _eager_contribution(state: DLionHookState, grad: Tensor, params: list, n: int) -> Contribution:
     """sign(β1·m + (1 − β1)·g) of the bucket, in torch ops. The momentum is not touched here:
-    :func:`_update_momenta` runs once the vote has shown that every rank's bucket was finite."""
+    :func:`_update_momenta` runs once the vote has shown that every rank's bucket was finite.
+
+    Off the CPU the finiteness flag and the number of zero signs are computed on the device and read
+    together (one host synchronisation: the header that the first collective carries is built on the
+    host from them), and the 1-bit payload is packed there, as :func:`dlion.buckets.contribute` does."""
     beta1 = state.betas[0]
     with torch.no_grad():
         g = grad.float()
         m = torch.cat([state._momentum(p).reshape(-1) for p in params]).float() if params else g.new_zeros(0)
         c = lion_presign([m], [g], beta1, foreach=False)[0]  # (the Lion rule's own pre-sign, same roundings)
-        finite = bool(torch.isfinite(torch.stack(torch.aminmax(c))).all()) if n else True
         values = torch.zeros(padded_length(n, state.world), dtype=torch.int8, device=grad.device)
         values[:n].copy_(torch.sign(c))
+        if n and grad.device.type != "cpu":
+            nonzero = torch.count_nonzero(values[:n])
+            finite, nonzero = torch.stack([finite_flag(c).to(torch.int64), nonzero]).tolist()
+            return Contribution(values, n, torch.ones(len(params), dtype=torch.bool), 0 if finite else 2, 0,
+                                packed=_SIGN.encode(values), zeros=n - nonzero)
+        finite = bool(torch.isfinite(torch.stack(torch.aminmax(c))).all()) if n else True
     return Contribution(values, n, torch.ones(len(params), dtype=torch.bool), 0 if finite else 2, 0)
 
 
