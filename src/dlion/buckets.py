@@ -466,5 +466,5 @@ def finite_flag(c: Tensor) -> Tensor:
     return torch.isfinite(torch.stack(torch.aminmax(c.reshape(-1)))).all()
 
 
-__all__ += ["RankBuffers", "Contributed", "Scratch", "contribute", "read_flags", "fused_applies", "update_momentum", "scale_codes", "finite_flag", "all_finite",
-            "apply_scaled_delta", "apply_codes", "apply_signs"]
+__all__ += ["RankBuffers", "Contributed", "Scratch", "contribute", "read_flags", "fused_applies", "update_momentum",
+            "scale_codes", "finite_flag", "all_finite", "apply_scaled_delta", "apply_codes", "apply_signs"]

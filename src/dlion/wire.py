@@ -440,7 +440,7 @@ class Algorithm:
 
     def _codes_codec(self, abstains: bool, fmt: str):
         """Codec of the codes on the way back: None means "1 bit + zero runs"."""
-        rule, n = self.rule, self.world
+        rule = self.rule
         if rule.vote == "avg":
             return rule.result_codec(abstains)
         if not abstains:
