@@ -40,6 +40,18 @@ def test_vote_round_ties_and_no_error_feedback():
     torch.testing.assert_close(A, torch.tensor([-0.5 * float(coin[0]), 0.5, -0.5], dtype=F64))
 
 
+def test_vote_round_with_lion_outer_momentum_is_the_literal_arithmetic():
+    # 2 workers, no error feedback; Δ = [0, −1, 1] as above; M = [0.5, 0.2, −0.1], β1 = 0.9, β2 = 0.5
+    A = torch.zeros(3, dtype=F64)
+    x = torch.tensor([[-1.0, 2.0, -3.0], [1.0, 1.0, -1.0]], dtype=F64)
+    M = torch.tensor([0.5, 0.2, -0.1], dtype=F64)
+    vote_round([A], [x], None, 0.5, outer=(0.9, 0.5, [M]))
+    # u = sign(0.9·M + 0.1·Δ) = sign([0.45, 0.08, 0.01]) = [1, 1, 1]   (the vote's −1 is outweighed by M)
+    torch.testing.assert_close(A, torch.tensor([-0.5, -0.5, -0.5], dtype=F64))
+    # M ← 0.5·M + 0.5·Δ = [0.25, −0.4, 0.45]
+    torch.testing.assert_close(M, torch.tensor([0.25, -0.4, 0.45], dtype=F64))
+
+
 def _grads(N, shapes, gen):
     return [torch.randn(N, *s, generator=gen) for s in shapes]
 
@@ -167,7 +179,8 @@ def test_local_specs():
     assert canonical("dlocal_mavo:5:ties=random:alpha=0.5") == "dlocal_mavo:5:alpha=0.5:ties=random"
     assert canonical("diloco_lion:10:outer_lr=0.7") == "diloco_lion:10"  # the default is not written
     assert canonical("diloco_lion:10:outer_lr=0.1") == "diloco_lion:10:outer_lr=0.1"
-    assert local_options("dlocal_mavo:5:ef=0") == {"H": 5, "alpha": 1.0, "ef": 0, "ties": "zero"}
+    assert local_options("dlocal_mavo:5:ef=0") == {"H": 5, "alpha": 1.0, "ef": 0, "ties": "zero", "ob1": 0.0,
+                                                   "ob2": 0.0}
     assert label("dlocal_mavo:5:ef=0") == "D-Local MaVo H=5, no EF"
     assert label("diloco_adamw_bf16:50") == "DiLoCo (AdamW, bf16) H=50"
     assert family("diloco_adamw:10") == "adamw" and family("diloco_lion_bf16:10") == "lion"

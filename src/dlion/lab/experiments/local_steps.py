@@ -59,7 +59,8 @@ def diloco_bits(world_size: int, H: float, bits: int = 32) -> float:
 
 
 def vote_round(anchor: Sequence[Tensor], workers: Sequence[Tensor], errors: Optional[Sequence[Tensor]],
-               scale: float, ties: str = "zero", generator: Optional[torch.Generator] = None) -> None:
+               scale: float, ties: str = "zero", generator: Optional[torch.Generator] = None,
+               outer: Optional[tuple] = None) -> None:
     """One sync of ``dlocal_mavo``, in place, per parameter tensor (A: shape S, x and e: (N, *S)):
 
         d_i = A − x_i
@@ -71,7 +72,11 @@ def vote_round(anchor: Sequence[Tensor], workers: Sequence[Tensor], errors: Opti
         A ← A − scale·Δ;    x_i ← A
 
     ``scale`` = α·S with S the sum of the round's learning rates. A sign of 0 (only where
-    e_i, or d_i, is exactly 0) counts as an abstention."""
+    e_i, or d_i, is exactly 0) counts as an abstention.
+
+    ``outer = (β1, β2, M)`` (an experiment: Lion's own rule on the votes, no extra bits): the step is
+    u = sign(β1·M + (1 − β1)·Δ) instead of Δ, then M ← β2·M + (1 − β2)·Δ (M per tensor, identical on
+    every rank since Δ is)."""
     for k, (a, x) in enumerate(zip(anchor, workers)):
         d = a.unsqueeze(0) - x
         if errors is not None:
@@ -87,6 +92,12 @@ def vote_round(anchor: Sequence[Tensor], workers: Sequence[Tensor], errors: Opti
         if ties == "random":
             coin = torch.randint(0, 2, total.shape, generator=generator).to(total.dtype).mul_(2).sub_(1)
             delta = torch.where(total == 0, coin, delta)
+        if outer is not None:
+            b1, b2, moms = outer
+            m = moms[k]
+            step = torch.sign(m * b1 + delta * (1.0 - b1))
+            m.mul_(b2).add_(delta * (1.0 - b2))
+            delta = step
         a.sub_(delta.mul_(scale))
         x.copy_(a.unsqueeze(0).expand_as(x))
 
@@ -173,7 +184,7 @@ class LocalVote(LocalMethod):
     (5 trits per byte)."""
 
     def __init__(self, params, world_size, H, hp, betas, seed, total_steps, *, alpha: float = 1.0,
-                 error_feedback: bool = True, ties: str = "zero"):
+                 error_feedback: bool = True, ties: str = "zero", outer_betas: tuple = (0.0, 0.0)):
         super().__init__(params, world_size, H, hp, betas, "lion", total_steps)
         if ties not in ("zero", "random"):
             raise ValueError(f"ties must be 'zero' or 'random', got {ties!r}")
@@ -181,17 +192,21 @@ class LocalVote(LocalMethod):
         self.ties = ties
         self.errors = [torch.zeros_like(w) for w in self.workers] if error_feedback else None
         self.generator = torch.Generator().manual_seed(seed)
+        self.outer_betas = tuple(float(b) for b in outer_betas)
+        self.outer_moms = [torch.zeros_like(p) for p in self.params] if self.outer_betas[0] > 0 else None
 
     def sync(self) -> None:
+        outer = (*self.outer_betas, self.outer_moms) if self.outer_moms is not None else None
         vote_round(self.params, self.workers, self.errors, self.alpha * self.round_lr_sum, self.ties,
-                   self.generator)
+                   self.generator, outer)
         d, N = self.bits_counter.num_params, self.world_size
         b_down = 1.0 if (N % 2 == 1 or self.ties == "random") else TRIT_BITS
         self.bits_counter.add("all_to_all signs (1 bit)", alltoall_bits(d, N))
         self.bits_counter.add(f"all_gather vote ({b_down:g} bits)", alltoall_bits(d * b_down, N))
 
     def record(self) -> dict:
-        return dict(super().record(), alpha=self.alpha, error_feedback=self.errors is not None, ties=self.ties)
+        return dict(super().record(), alpha=self.alpha, error_feedback=self.errors is not None, ties=self.ties,
+                    outer_betas=list(self.outer_betas))
 
 
 class DiLoCo(LocalMethod):
