@@ -223,6 +223,36 @@ def test_local_distributed_lion_round_within_budget():
         assert sum(counts[2 * H - 1].values()) > 1             # the sync round was audited
 
 
+def _audited_steps(rank: int, steps: int, emulate: bool, budget: dict, units: dict, make_opt, prepare=None):
+    """One rank's ``steps`` dense steps of the optimizer ``make_opt(params, prepare())`` (two buckets,
+    SHAPES, seeded gradients per rank), on emulated CUDA tensors (``emulate``) or on the CPU; the syncs of
+    every step after the first are checked against ``budget``. Returns (counts, parameters, optimizer)."""
+    prepared = prepare() if prepare is not None else None  # (outside the emulation: e.g. a device mesh)
+    g = torch.Generator().manual_seed(7)
+    params0 = [torch.randn(s, generator=g) for s in SHAPES]
+    gg = torch.Generator().manual_seed(100 + rank)
+    grads0 = [[torch.randn(s, generator=gg) for s in SHAPES] for _ in range(steps)]
+    em = EmulatedDevice()
+    counts = []
+    with em if emulate else contextlib.nullcontext():
+        move = to_device if emulate else (lambda x: x)
+        params = [p.requires_grad_() for p in move([p.clone() for p in params0])]
+        grads = move(grads0)
+        opt = make_opt(params, prepared)
+        assert len(opt.buckets) == 2 and params[0].is_cuda == emulate
+        for step in range(steps):
+            for p, gr in zip(params, grads[step]):
+                p.grad = gr
+            em.syncs.clear()
+            em.counting = step >= 1  # (the first step also checks for identical gradients)
+            opt.step()
+            em.counting = False
+            if step >= 1:
+                check_budget(em, budget, units)
+                counts.append(em.count())
+    return counts, [p.detach().clone() for p in params], opt
+
+
 DISTRIBUTED_STEP = {  # one dense 1-bit step of DistributedLion(overlap=False), per rank
     "dlion/buckets.py read_flags": (1, "step", DENSE_1BIT["dlion/buckets.py read_flags"][2]),
     "dlion/wire.py read_heads": (1, "step", DENSE_1BIT["dlion/wire.py read_heads"][2]),
@@ -235,31 +265,12 @@ def test_distributed_lion_dense_step_per_rank_within_budget():
     two per bucket and one for the tallies); the parameters and the tallies are bitwise those of
     the same ranks on CPU tensors."""
     world, steps = 2, 3
-    g = torch.Generator().manual_seed(7)
-    params0 = [torch.randn(s, generator=g) for s in SHAPES]
 
     def run(rank, emulate: bool):
-        gg = torch.Generator().manual_seed(100 + rank)
-        grads0 = [[torch.randn(s, generator=gg) for s in SHAPES] for _ in range(steps)]
-        em = EmulatedDevice()
-        counts = []
-        with em if emulate else contextlib.nullcontext():
-            move = to_device if emulate else (lambda x: x)
-            params = [p.requires_grad_() for p in move([p.clone() for p in params0])]
-            grads = move(grads0)
-            opt = dlion.DistributedLion(params, lr=LR, comm="1bit", bucket_cap_mb=CAP_MB)
-            assert len(opt.buckets) == 2 and params[0].is_cuda == emulate
-            for step in range(steps):
-                for p, gr in zip(params, grads[step]):
-                    p.grad = gr
-                em.syncs.clear()
-                em.counting = step >= 1  # (the first step also checks for identical gradients)
-                opt.step()
-                em.counting = False
-                if step >= 1:
-                    check_budget(em, DISTRIBUTED_STEP, {"step": 1})
-                    counts.append(em.count())
-        return counts, [p.detach().clone() for p in params], opt.comm_stats.state_dict()
+        counts, params, opt = _audited_steps(
+            rank, steps, emulate, DISTRIBUTED_STEP, {"step": 1},
+            lambda params, _: dlion.DistributedLion(params, lr=LR, comm="1bit", bucket_cap_mb=CAP_MB))
+        return counts, params, opt.comm_stats.state_dict()
 
     dev = _threaded_ranks(world, lambda rank: run(rank, True))
     cpu = _threaded_ranks(world, lambda rank: run(rank, False))
@@ -288,33 +299,16 @@ def _hierarchical_run(shape: tuple, steps: int, emulate: bool, budget: dict):
     two buckets; per rank, the syncs of every step after the first (checked against ``budget``), the
     parameters and both statistics."""
     from torch.distributed.device_mesh import init_device_mesh
-    g = torch.Generator().manual_seed(7)
-    params0 = [torch.randn(s, generator=g) for s in SHAPES]
+    units = {"step": 1, "round": 1, "node round": 2 if shape[1] > 1 else 0}
 
     def run(rank):
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("node", "local"))
-        gg = torch.Generator().manual_seed(100 + rank)
-        grads0 = [[torch.randn(s, generator=gg) for s in SHAPES] for _ in range(steps)]
-        em = EmulatedDevice()
-        counts = []
-        with em if emulate else contextlib.nullcontext():
-            move = to_device if emulate else (lambda x: x)
-            params = [p.requires_grad_() for p in move([p.clone() for p in params0])]
-            grads = move(grads0)
-            opt = dlion.HierarchicalDistributedLion(params, lr=LR, mesh=mesh, comm="1bit", bucket_cap_mb=CAP_MB)
-            assert len(opt.buckets) == 2 and params[0].is_cuda == emulate
-            for step in range(steps):
-                for p, gr in zip(params, grads[step]):
-                    p.grad = gr
-                em.syncs.clear()
-                em.counting = step >= 1
-                opt.step()
-                em.counting = False
-                if step >= 1:
-                    check_budget(em, budget, {"step": 1, "round": 1, "node round": 2 if shape[1] > 1 else 0})
-                    counts.append(em.count())
+        counts, params, opt = _audited_steps(
+            rank, steps, emulate, budget, units,
+            lambda params, mesh: dlion.HierarchicalDistributedLion(params, lr=LR, mesh=mesh, comm="1bit",
+                                                                   bucket_cap_mb=CAP_MB),
+            prepare=lambda: init_device_mesh("cpu", shape, mesh_dim_names=("node", "local")))
         stats = [{k: v for k, v in s.state_dict().items() if k != "wait_s"} for s in (opt.comm_stats, opt.local_stats)]
-        return counts, [p.detach().clone() for p in params], stats
+        return counts, params, stats
 
     return _threaded_ranks(shape[0] * shape[1], run)
 
