@@ -97,7 +97,7 @@ class Flight:
         try:
             self.request = self.gen.send(out)
         except StopIteration as stop:
-            self.outcome = stop.value
+            self.outcome, self.gen = stop.value, None
 
     def issue(self, transport: GroupTransport) -> None:
         """Issue the collective the algorithm asked for."""
@@ -177,7 +177,10 @@ class Pipeline:
                 raise self._error
         else:
             self._on_feed = progress
-            self._drive()
+            try:
+                self._drive()
+            finally:  # progress() usually holds the step that holds this pipeline: no cycle for the GC
+                self._on_feed = None
             self.blocked = sum(f.waited for f in self.flights)
         if progress is not None:
             progress()
