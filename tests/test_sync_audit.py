@@ -531,7 +531,7 @@ def test_overlap_hooks_make_no_host_sync():
     for (history, counts, _, _), (want, _, _, _) in zip(dev, cpu):
         for by_function, hooks in counts[1:]:
             assert hooks == {}, hooks
-            assert by_function == {"dlion/wire.py _split": 2}, by_function
+            assert by_function == _allowed(OVERLAP_STEP, {"bucket": 2}) == {"dlion/wire.py _split": 2}, by_function
         assert all(torch.equal(a, b) for got, ref in zip(history, want) for a, b in zip(got, ref))
 
 
