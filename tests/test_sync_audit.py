@@ -13,6 +13,8 @@ host-built headers need) before the first collectives, and one read of every buc
 headers after them (:func:`dlion.buckets.read_flags`, :func:`dlion.wire.read_heads`); the vote
 tallies stay on the device until ``comm_stats`` is read. That holds for the simulator (N = 4, two
 buckets: every worker's and bucket's together) and per rank of ``DistributedLion(overlap=False)``.
+With ``overlap=True`` backward's hooks make none (the header's status is completed on the device),
+and the exchange thread reads each bucket's received headers as they come.
 
 Before these were batched, the GPU's ``torch.cuda.set_sync_debug_mode`` (tests/test_cuda.py,
 docs/results/gpu-check*/cuda_sync_counts.json) agreed with this audit line for line: 18 for the
@@ -23,6 +25,7 @@ measured on a GPU yet.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 
@@ -403,3 +406,197 @@ def test_ddp_hook_step_per_rank_within_budget():
                    for k, by in counts), counts
         assert all(torch.equal(a, b) for a, b in zip(params, want))
     assert all(torch.equal(a, b) for a, b in zip(dev[0][1], dev[1][1]))
+
+
+# -- overlap=True: the gradient hooks ------------------------------------------------------------
+OVERLAP_STEP = {  # one dense 1-bit step of DistributedLion(overlap=True), per rank; none inside backward's hooks
+    "dlion/wire.py _split": (1, "bucket",
+        "on the exchange thread, not in a hook: each bucket's received headers as its first collective "
+        "completes (the buckets arrive one at a time from the hooks, so they are not read together)"),
+}
+
+
+class _HookAudit(EmulatedDevice):
+    """EmulatedDevice that also counts, apart, the synchronisations made inside backward's hooks
+    (``hooks``), which run on the caller's thread while the exchange thread syncs on its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.local = threading.local()
+        self.hooks: collections.Counter = collections.Counter()
+        self._lock = threading.Lock()
+
+    def _sync(self, what: str, times: int = 1) -> None:
+        if not self.counting:
+            return
+        key = f"{self.site()} ({what})"
+        with self._lock:  # (the exchange thread counts too)
+            self.syncs[key] += times
+            if getattr(self.local, "in_hook", False):
+                self.hooks[key] += times
+
+
+def _audit_overlap(opt, em: _HookAudit, params: list) -> None:
+    """Run ``opt``'s gradient hooks and exchange thread under ``em``. Backward runs hooks without the
+    caller's torch-function modes and makes the gradients in C++ (untagged): the hook wrapper tags
+    them and enters the mode, marking what it counts as inside a hook; the exchange thread enters it
+    too. (In the worker process only: the class patch and the set_device stub die with it.)"""
+    from dlion.pipeline import Pipeline
+    inner = opt._on_grad
+
+    def on_grad(k, j):
+        for p in params:
+            if p.grad is not None:
+                em.tags[p.grad] = True
+        em.local.in_hook = True
+        try:
+            with em:
+                inner(k, j)
+        finally:
+            em.local.in_hook = False
+
+    opt._on_grad = on_grad  # (the registered hooks look the method up when they fire)
+    drive = Pipeline._drive_guarded
+
+    def guarded(pipeline):
+        with em:
+            drive(pipeline)
+
+    Pipeline._drive_guarded = guarded
+    torch.cuda.set_device = lambda device: None  # (the emulated cuda:0 has no CUDA context to select)
+
+
+def _backward(params: list, grads: list) -> None:
+    """p.grad = g exactly (None where g is None), through backward: loss = Σ (p·g).sum()."""
+    loss = sum((p * g).sum() for p, g in zip(params, grads) if g is not None)
+    loss.backward()
+
+
+def _overlap_worker(rank: int, world: int, schedule: list, options: dict, emulate: bool, overlap: bool):
+    """One rank's steps of DistributedLion(comm="1bit", **options) on the SHAPES model (two buckets), the
+    gradients of step t being ``schedule[t][rank]`` (None: no gradient), set through backward; with
+    ``emulate`` on emulated CUDA tensors under :func:`_audit_overlap`. Returns the parameters after
+    every step, the syncs per step (all, and inside the hooks) and the skipped steps."""
+    em = _HookAudit()
+    move = to_device if emulate else (lambda x: x)
+    history, counts = [], []
+    with em if emulate else contextlib.nullcontext():
+        params = [p.requires_grad_() for p in move([p.clone() for p in schedule[0]["params"]])]
+        opt = dlion.DistributedLion(params, lr=LR, bucket_cap_mb=CAP_MB, overlap=overlap, **{"comm": "1bit", **options})
+        assert len(opt.buckets) == 2 and params[0].is_cuda == emulate
+        if emulate:
+            _audit_overlap(opt, em, params)
+        for t, step in enumerate(schedule[1:]):
+            grads = move(step[rank])
+            em.syncs.clear()
+            em.hooks.clear()
+            em.counting = t >= 1  # (the first step also checks for identical gradients)
+            _backward(params, grads)
+            for p in params:
+                if p.grad is not None and emulate:
+                    em.tags[p.grad] = True
+            opt.step()
+            em.counting = False
+            opt.zero_grad()
+            history.append([p.detach().clone() for p in params])
+            counts.append((em.by_function(), dict(em.hooks)))
+        stats = opt.comm_stats.state_dict()
+    return history, counts, opt.skipped_steps, stats
+
+
+def _dense_schedule(steps: int, world: int) -> list:
+    g = torch.Generator().manual_seed(7)
+    schedule = [{"params": [torch.randn(s, generator=g) for s in SHAPES]}]
+    for _ in range(steps):
+        schedule.append([[torch.randn(s, generator=g) for s in SHAPES] for _ in range(world)])
+    return schedule
+
+
+def _overlap_runs(schedule: list, options: dict) -> tuple[list, list]:
+    """The schedule on two ranks: overlap=True on emulated CUDA tensors, and overlap=False on the CPU."""
+    from dlion.lab.spawn import spawn
+    dev = spawn(_overlap_worker, 2, schedule, options, True, True, timeout_s=300)
+    cpu = spawn(_overlap_worker, 2, schedule, options, False, False, timeout_s=300)
+    return dev, cpu
+
+
+def test_overlap_hooks_make_no_host_sync():
+    """DistributedLion(overlap=True, comm="1bit") on two ranks (Gloo processes, two buckets, emulated CUDA
+    tensors): inside backward's hooks, where each bucket's contribution is made and its first collective
+    issued, no host synchronisation at all (two before, per step: one read of each bucket's finiteness flag
+    and zero count); per step one read of each bucket's received headers, on the exchange thread. The
+    parameters are bitwise those of overlap=False on CPU tensors."""
+    steps = 3
+    dev, cpu = _overlap_runs(_dense_schedule(steps, 2), {})
+    for (history, counts, _, _), (want, _, _, _) in zip(dev, cpu):
+        for by_function, hooks in counts[1:]:
+            assert hooks == {}, hooks
+            assert by_function == _allowed(OVERLAP_STEP, {"bucket": 2}) == {"dlion/wire.py _split": 2}, by_function
+        assert all(torch.equal(a, b) for got, ref in zip(history, want) for a, b in zip(got, ref))
+
+
+def _abstaining_schedule(world: int = 2) -> list:
+    """Eight steps of gradients for the SHAPES model on two ranks, with every kind of abstention a hook
+    can meet (parameter indices: 0 is bucket 1 alone; 1 … 6 are bucket 0):
+
+    0. rank 0: parameter 6 has two exact zeros (c = 0 there: the momentum is still 0), parameter 3 all
+       zeros (so its momentum stays 0: c = 0 in steps 0 … 2, many zeros, "scattered");
+    1. rank 1: no gradient for parameter 5 (its bucket leaves from step(), not a hook);
+    2. rank 1: no gradient for parameter 0 (a whole bucket abstains);
+    3. dense again (rank 0's parameter 3 gets a gradient: c ≠ 0);
+    4. no rank has a gradient for parameter 4 (it is left out of the next step's payload);
+    5. only rank 0 has one for parameter 4 (the compacted first collective, then the whole bucket again);
+    6. rank 1: a NaN (every rank skips the step);
+    7. dense.
+
+    With two ranks every coordinate whose signs differ is a tie."""
+    g = torch.Generator().manual_seed(11)
+    schedule = [{"params": [torch.randn(s, generator=g) for s in SHAPES]}]
+    for t in range(8):
+        step = [[torch.randn(s, generator=g) for s in SHAPES] for _ in range(world)]
+        if t == 0:
+            step[0][6][2] = step[0][6][3] = 0.0
+        if t <= 2:
+            step[0][3] = torch.zeros(SHAPES[3])
+        if t == 1:
+            step[1][5] = None
+        if t == 2:
+            step[1][0] = None
+        if t == 4:
+            step[0][4] = step[1][4] = None
+        if t == 5:
+            step[1][4] = None
+        if t == 6:
+            step[1][2][5] = float("nan")
+        schedule.append(step)
+    return schedule
+
+
+@pytest.mark.parametrize("options, resent", [
+    (dict(vote="mavo"), True), (dict(vote="mavo", ties="random"), True), (dict(vote="avg"), True),
+    (dict(vote="mavo", comm="allgather"), True), (dict(vote="avg", comm="pbit"), False),
+    (dict(aggregate="quantized", comm="auto"), False)],
+    ids=["mavo", "mavo-random", "avg", "allgather", "pbit-avg", "quantized"])
+def test_overlap_hooks_with_abstentions_match_the_cpu(options, resent):
+    """overlap=True on emulated CUDA tensors through steps with exact zeros in c, missing gradients, a
+    parameter left out of the payload, a NaN and ties (:func:`_abstaining_schedule`): no host
+    synchronisation inside the hooks in any step, and after every step the parameters are bitwise those of
+    overlap=False on CPU tensors, with the same skipped step and vote tallies. Where a sender's c has zeros
+    of its own, its hook header lists no runs and flags an overflow, so the bucket goes again in base 3
+    (``1bit``, ``allgather``): more bytes on the wire than the CPU run, the same votes; ``pbit`` and
+    ``quantized`` send the same bytes (their header fields are set on the device)."""
+    dev, cpu = _overlap_runs(_abstaining_schedule(), options)
+    for (history, counts, skipped, stats), (want, _, want_skipped, want_stats) in zip(dev, cpu):
+        assert [hooks for _, hooks in counts[1:]] == [{}] * 7
+        assert skipped == want_skipped == 1
+        for got, ref in zip(history, want):
+            assert all(torch.equal(a, b) for a, b in zip(got, ref))
+        tallies = ("voted", "unanimous", "tied")
+        assert [stats[k] for k in tallies] == [want_stats[k] for k in tallies]
+        assert stats["tied"] > 0 or options.get("aggregate") == "quantized"  # (which has no tallies)
+        if resent:  # rank 0's own zeros: its bucket re-sent in base 3
+            assert stats["bytes_sent"] > want_stats["bytes_sent"]
+        else:
+            assert stats["bytes_sent"] == want_stats["bytes_sent"]
+    assert all(torch.equal(a, b) for a, b in zip(dev[0][0][-1], dev[1][0][-1]))  # the replicas agree
+    assert not all(torch.equal(a, b) for a, b in zip(dev[0][0][0], dev[0][0][-1]))  # (they moved)

@@ -24,12 +24,15 @@ Data flow of :meth:`DistributedLion.step`, per bucket (:mod:`dlion.buckets`):
 A step issues, per bucket, the algorithm's collectives (``1bit``: one
 ``all_to_all`` and one ``all_gather``; ``allgather``/``pbit``/``quantized``: one),
 all with ``async_op=True``; a bucket is re-sent once in base 3 only when some
-rank's abstentions stop fitting the run table. The first collective of every bucket is
+rank's abstentions stop fitting the run table (or, from a hook off the CPU, when
+some rank's c has zeros of its own). The first collective of every bucket is
 issued before any is waited on. With ``overlap=True`` a bucket's contribution
 and first collective start from gradient hooks as soon as backward has produced
-its last gradient, and, on the default group, its later collectives go on a
-second process group so that ranks never disagree on the order of collectives;
-an exchange thread issues them as soon as they can go (:mod:`dlion.pipeline`).
+its last gradient (off the CPU without reading anything on the host: the header's
+status is completed on the device, :func:`dlion.wire._deferred_headers`), and, on
+the default group, its later collectives go on a second process group so that
+ranks never disagree on the order of collectives; an exchange thread issues them
+as soon as they can go (:mod:`dlion.pipeline`).
 
 With ``delay=1`` step t's Δ is applied in step t + 1, so its exchange runs
 (on the exchange thread) during step t + 1's forward and backward; the local
@@ -92,7 +95,9 @@ class _Step:
                                  threaded=opt._threaded,
                                  device=opt.buckets[0].device if opt.buckets else None)
         self.present: list = [None] * len(opt.buckets)
-        self.finite = [False] * len(opt.buckets)  # this rank's gradients of bucket k were all finite
+        # this rank's gradients of bucket k were all finite (a 0-d device tensor where a hook left the flag
+        # unread: only delay=1 reads these, and it has no hooks)
+        self.finite: list = [False] * len(opt.buckets)
         self.errors: list = [None] * len(opt.buckets)
         #: per bucket: the gradients its contribution read in place, for the momentum update (dropped
         #: with the step, so a skipped or failed step holds no reference to them)
@@ -305,16 +310,19 @@ class DistributedLion(DistributedBase):
 
     def _contribution(self, k: int, step: int, error: Optional[Exception], made: Optional[Contributed]) -> Contribution:
         """Bucket k's :class:`Contribution` from its invalid gradient ``error`` or what :meth:`_local_values`
-        made (its flags read: :func:`dlion.buckets.read_flags`)."""
+        made: its flags read (:func:`dlion.buckets.read_flags`), or still on the device, where the
+        algorithm builds the header from them (:attr:`dlion.wire.Contribution.finite`; no ``sign_hook``)."""
         b, buf = self.buckets[k], self._slots[k].buffers
         status, group = 0, b.group
-        packed = zeros = None
+        packed = zeros = on_device = None
         if error is None:
             values, present, finite = made.values, made.present, made.finite
             self._step.borrowed[k] = made.borrowed
             if self.sign_hook is None:  # (a hook changes the values: no payload of contribute's then)
                 packed, zeros = made.packed, made.zeros
-            if not finite:
+            if isinstance(finite, Tensor):  # not read: NONFINITE is set on the device, in the header
+                on_device = finite
+            elif not finite:
                 status |= NONFINITE
             self._step.finite[k] = finite
             if self.sign_hook is not None:
@@ -329,26 +337,29 @@ class DistributedLion(DistributedBase):
         self._step.present[k] = present
         self._step.errors[k] = error
         if error is not None:
-            packed = zeros = None
+            packed = zeros = on_device = None
         return Contribution(buf.values, b.numel, torch.tensor(present, dtype=torch.bool), status,
                             self._digest(group), sizes=b.sizes, on_flags=functools.partial(self._step.read_flags, k),
-                            previous=buf.last_vote, packed=packed, zeros=zeros)
+                            previous=buf.last_vote, packed=packed, zeros=zeros, finite=on_device)
 
-    def _issue_ready(self, step_no: int) -> None:
+    def _issue_ready(self, step_no: int, in_hook: bool = False) -> None:
         """Start, in bucket order, every bucket whose gradients are all there. On the CPU each bucket's
         collective leaves as soon as its contribution is made; off the CPU every ready bucket's
         contribution is made first and their flags are read in one host synchronisation
-        (:func:`dlion.buckets.read_flags`; from a gradient hook that is one bucket)."""
+        (:func:`dlion.buckets.read_flags`) — except from a gradient hook (``in_hook``, no ``sign_hook``):
+        there nothing is read, each bucket leaves at once and its algorithm builds the header from the
+        flags on the device (:func:`dlion.wire._deferred_headers`), so backward never waits for the device."""
         st = self._step
         ready, unread = [], False
+        defer = in_hook and self.sign_hook is None  # (a sign hook's output is checked on the host)
         while st.issued + len(ready) < len(self.buckets) and not st.pending[st.issued + len(ready)]:
             k = st.issued + len(ready)
             with record_function("dlion.contribute"):
                 error = self._input_error(k)
                 made = self._local_values(k) if error is None else None
             ready.append((k, error, made))
-            unread = unread or (made is not None and isinstance(made.finite, Tensor))
-            if not unread:  # nothing left on a device to read: this bucket leaves now
+            unread = unread or (made is not None and isinstance(made.finite, Tensor) and not defer)
+            if not unread:  # nothing left on a device to read (or nothing to be read): this bucket leaves now
                 self._issue(*ready.pop(), step_no)
         read_flags([made for _, _, made in ready if made is not None])
         for k, error, made in ready:
@@ -689,7 +700,7 @@ class DistributedLion(DistributedBase):
         st.pending[k].discard(j)
         if k == st.issued:
             with torch.no_grad():
-                self._issue_ready(self.step_count)
+                self._issue_ready(self.step_count, in_hook=True)
 
     @contextlib.contextmanager
     def no_sync(self):

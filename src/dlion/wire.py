@@ -35,7 +35,9 @@ end)`` pairs, up to ``runs_capacity`` per block, a fixed part of the header);
 receivers mask them out of the count. Where a rank has more runs than fit, every
 rank sees its overflow bit after the first collective, the bucket is re-sent as
 base-3 digits (1.6 bits) and stays so until everyone's runs fit again (half the
-capacity). The codes come back the same way: ±1 as 1 bit plus the zero runs of
+capacity). A header built on the device without reading the sender's zero count
+(:func:`_deferred_headers`) cannot list zeros of c's own: it reports an overflow, the
+same votes in base 3. The codes come back the same way: ±1 as 1 bit plus the zero runs of
 the result (where every rank abstained, or a tie gave 0), base-3 only when those
 runs do not fit — unless every abstention is a whole parameter without
 gradient: then every rank knows each coordinate's number of voters from the
@@ -105,6 +107,11 @@ class Contribution:
     #: None: computed here from ``values``
     packed: Optional[Tensor] = None
     zeros: Optional[int] = None
+    #: off the CPU, flags not read on the host (``DistributedLion(overlap=True)`` from backward's hooks):
+    #: a 0-d bool tensor on the device, whether this rank's values are finite; ``status`` then lacks
+    #: NONFINITE, ``zeros`` (if given) is a 0-d int64 tensor there too, and the algorithm builds its header
+    #: on the device without reading either (:func:`_deferred_headers`, :func:`_fields`)
+    finite: Optional[Tensor] = None
 
     def index(self, lo: int, n: int) -> Optional[Tensor]:
         return None if self.positions is None else self.positions[lo:lo + n]
@@ -305,6 +312,74 @@ def _headers(contrib: Contribution, blocks: int, capacity: int, runs, slots: boo
     return h
 
 
+def _absent_runs(contrib: Contribution, rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`zero_runs` of ``contrib.values`` as they are when their only zeros are the parameters the
+    sender has no gradient for: found on the host from ``sizes`` and ``has_grad`` (work in the number of
+    parameters), no look at the values. Host int64 tensors (row, start, end)."""
+    width = contrib.values.numel() // rows
+    spans: list = []
+    at = 0
+    for n, has in zip(contrib.sizes or [], contrib.has_grad.tolist()):
+        if n and not has:
+            if spans and spans[-1][1] == at:  # adjacent absent parameters are one run, as zero_runs finds it
+                spans[-1][1] = at + n
+            else:
+                spans.append([at, at + n])
+        at += n
+    out: tuple = ([], [], [])
+    for lo, hi in spans:
+        while lo < hi:  # a run never crosses a row
+            row = lo // width
+            end = min(hi, (row + 1) * width)
+            for col, v in zip(out, (row, lo - row * width, end - row * width)):
+                col.append(v)
+            lo = end
+    return tuple(torch.tensor(col, dtype=torch.int64) for col in out)
+
+
+def _device_zeros(contrib: Contribution) -> Tensor:
+    """How many of the values are 0, as a 0-d tensor on their device (``contrib.zeros`` where given)."""
+    if isinstance(contrib.zeros, Tensor):
+        return contrib.zeros
+    return contrib.numel - torch.count_nonzero(contrib.values[:contrib.numel])
+
+
+def _deferred_headers(contrib: Contribution, blocks: int, capacity: int, slots: bool, scattered: bool) -> Tensor:
+    """:func:`_headers` on the device without reading the sender's finiteness flag and zero count there
+    (``contrib.finite``, ``contrib.zeros``: :attr:`Contribution.finite`). The host builds the header the
+    sender sends when its only zeros are its parameters without gradient (runs known from the sizes,
+    :func:`_absent_runs`); one copy from pinned memory takes it to the device, where the status word is
+    completed by tensor operations: NONFINITE where ``finite`` is false and, where c has zeros of its own
+    (more zeros than those parameters hold), _ABSTAINS | _OVERFLOW (and _SCATTERED, with ``scattered``,
+    for more than ``capacity // 2`` of them, as :meth:`OneBit.run` decides it) with no run listed.
+
+    The bytes are those of :func:`_headers` unless c has zeros of its own: then its runs are not listed
+    and the overflow makes every rank re-send the bucket in base 3 (and stay there until every sender
+    fits again), where :func:`_headers` would have listed them if they fit. The base-3 count is the same
+    (s, nz), so the codes, and every rank's outcome, are bitwise the same; only bytes on the wire differ."""
+    runs = _absent_runs(contrib, blocks)
+    host = _headers(contrib, blocks, capacity, runs, slots)  # (c's own zeros aside: these bytes)
+    dev = contrib.values.device
+    h = host.pin_memory().to(dev, non_blocking=True) if dev.type != "cpu" else host
+    absent = sum(n for n, has in zip(contrib.sizes or [], contrib.has_grad.tolist()) if not has)
+    own = _device_zeros(contrib) - absent
+    extra = own > 0
+    # an own zero: listed runs or not, the sender abstains and overflows; no run is listed
+    status = h[:, 0]
+    fallback = (status & (BAD | NONFINITE)) | (_ABSTAINS | _OVERFLOW)
+    if scattered:
+        within = own if contrib.sizes is not None else torch.full_like(own, contrib.numel)
+        fallback = fallback | (within > capacity // 2).to(torch.int32) * _SCATTERED
+    status = torch.where(extra, fallback, status) | (~contrib.finite).to(torch.int32) * NONFINITE
+    h[:, 0] = status
+    if slots:
+        keep = (~extra).to(torch.int32)
+        g = -(-contrib.has_grad.numel() // _BITMAP_BITS)
+        h[:, 2] *= keep
+        h[:, 3 + g:] *= keep
+    return h
+
+
 def _zeros_within_parameters(contrib: Contribution) -> int:
     """The sender's zeros besides the parameters it has no gradient for (c = 0, a sign hook's
     zeros); every coordinate where the parameter sizes are unknown or a hook voted where the
@@ -331,8 +406,8 @@ def _blocks(headers: Tensor, payload: Tensor, blocks: int) -> Tensor:
     p = payload.view(blocks, -1)
     pad = (-p.shape[1]) % 4
     h = headers.view(torch.uint8).view(blocks, -1)
-    if p.device.type == "cuda":  # from pinned memory, asynchronously: a copy from pageable memory waits for the GPU
-        h = h.pin_memory().to(p.device, non_blocking=True)
+    if p.device.type == "cuda" and h.device.type == "cpu":  # from pinned memory, asynchronously: a copy from
+        h = h.pin_memory().to(p.device, non_blocking=True)         # pageable memory waits for the GPU
     parts = [h.to(p.device), p]
     if pad:
         parts.append(p.new_zeros(blocks, pad))
@@ -588,7 +663,10 @@ class OneBit(Algorithm):
         c, k = n // N, contrib.has_grad.numel()
         cap, lo = _capacity(c), rank * c
         packed = contrib.packed
-        if packed is not None and contrib.zeros is not None:
+        deferred = contrib.finite is not None  # the flags stay on the device: so does the header's status
+        if deferred:
+            runs = scattered = None  # (not looked for: _deferred_headers)
+        elif packed is not None and contrib.zeros is not None:
             runs = zero_runs(contrib.values, N, numel) if contrib.zeros else _NO_RUNS
         elif contrib.values.device.type == "cpu" and contrib.values.dtype == torch.int8 and kernels.available():
             # the 1-bit payload and whether there is any zero to describe, in one pass over the signs
@@ -597,11 +675,15 @@ class OneBit(Algorithm):
         else:
             runs = zero_runs(contrib.values, N, numel)
         # many zeros besides whole parameters without gradient: the codes come back without _ByVoters
-        scattered = bool(runs[0].numel()) and _zeros_within_parameters(contrib) > cap // 2
+        if not deferred:
+            scattered = bool(runs[0].numel()) and _zeros_within_parameters(contrib) > cap // 2
         # way up: block r = this rank's header (with its zero runs in chunk r) + its signs of chunk r
         while True:
             fmt = state.up
-            headers = _headers(contrib, N, cap, runs, slots=fmt == "runs", scattered=scattered)
+            if deferred:
+                headers = _deferred_headers(contrib, N, cap, slots=fmt == "runs", scattered=True)
+            else:
+                headers = _headers(contrib, N, cap, runs, slots=fmt == "runs", scattered=scattered)
             codec = _SIGN if fmt == "runs" else _TRIT
             body = packed if fmt == "runs" and packed is not None else codec.encode(contrib.values)
             received = yield _request("all_to_all", _blocks(headers, body, N), "signs", (N, headers.shape[1]))
@@ -821,10 +903,14 @@ class AllGather(Algorithm):
         N, n, numel = self.world, contrib.values.numel(), contrib.numel
         k, cap = contrib.has_grad.numel(), _capacity(n)
         # (the zero count made with the signs, where known, spares the search for zeros when there are none)
-        runs = _NO_RUNS if contrib.zeros == 0 else zero_runs(contrib.values, 1, numel)
+        deferred = contrib.finite is not None  # (flags on the device: the header is made there)
+        runs = None if deferred else _NO_RUNS if contrib.zeros == 0 else zero_runs(contrib.values, 1, numel)
         while True:
             fmt = state.up
-            headers = _headers(contrib, 1, cap, runs, slots=fmt == "runs")
+            if deferred:
+                headers = _deferred_headers(contrib, 1, cap, slots=fmt == "runs", scattered=False)
+            else:
+                headers = _headers(contrib, 1, cap, runs, slots=fmt == "runs")
             codec = _SIGN if fmt == "runs" else _TRIT
             received = yield _request("all_gather", _blocks(headers, codec.encode(contrib.values), 1), "signs",
                                       (N, headers.shape[1]))
@@ -856,6 +942,18 @@ def _header_fields(contrib: Contribution, abstains: bool) -> Tensor:
     fields = torch.cat([head, contrib.has_grad.to(torch.int64).cpu(), digest_bits])
     pad = (-fields.numel()) % 8
     return torch.cat([fields, fields.new_zeros(pad)])
+
+
+def _fields(contrib: Contribution, abstains, like: Tensor) -> Tensor:
+    """:func:`_header_fields` on ``like``'s device (its dtype). With the flags on the device
+    (:attr:`Contribution.finite`; ``abstains`` then a 0-d bool tensor there) the NONFINITE and abstention
+    fields are set there, not read: the same counters, so the same bytes."""
+    if contrib.finite is None:
+        return _to_device(_header_fields(contrib, abstains), like)
+    head = _to_device(_header_fields(contrib, False), like)  # (status lacks NONFINITE: set here)
+    head[1] = (~contrib.finite).to(head.dtype)
+    head[2] = abstains.to(head.dtype) if isinstance(abstains, Tensor) else int(abstains)
+    return head
 
 
 def _to_device(host: Tensor, like: Tensor) -> Tensor:
@@ -903,7 +1001,10 @@ class PBit(Algorithm):
         N, n, numel = self.world, contrib.values.numel(), contrib.numel
         k = contrib.has_grad.numel()
         d = contrib.values
-        abstains = contrib.zeros > 0 if contrib.zeros is not None else bool((d[:numel] == 0).any())
+        if contrib.finite is not None:  # (left on the device: _fields)
+            abstains = _device_zeros(contrib) > 0
+        else:
+            abstains = contrib.zeros > 0 if contrib.zeros is not None else bool((d[:numel] == 0).any())
         wide = state.up == "wide"
         while True:
             if wide:
@@ -911,7 +1012,7 @@ class PBit(Algorithm):
             else:
                 v = (d > 0).to(torch.int32)
             width = self._width(wide)
-            head = _to_device(_header_fields(contrib, abstains), v)
+            head = _fields(contrib, abstains, v)
             words = pack_fields(torch.cat([v, head]), width)
             total = yield ("all_reduce", words, "counters")
             total = unpack_fields(total, width, n + head.numel())
@@ -958,7 +1059,7 @@ class Quantized(Algorithm):
         k = contrib.has_grad.numel()
         width = field_width(2 * s * N)
         v = contrib.values.to(torch.int32) + s
-        head = _to_device(_header_fields(contrib, False), v)
+        head = _fields(contrib, False, v)
         total = yield ("all_reduce", pack_fields(torch.cat([v, head]), width), "quantized")
         total = unpack_fields(total, width, n + head.numel())
         info = _read_fields(total[n:], k, N)
@@ -996,8 +1097,11 @@ def run_compacted(alg: Algorithm, state: WireState, contrib: Contribution, rank:
     sizes = None
     if contrib.sizes is not None:
         sizes = [0 if left_out else size for size, left_out in zip(contrib.sizes, skipped.tolist())]
+    # (flags on the device: the zero count of what is sent, counted there)
+    zeros = m - torch.count_nonzero(sub[:m]) if contrib.finite is not None else None
     out = yield from alg.run(state, Contribution(sub, m, contrib.has_grad, contrib.status, contrib.digest,
-                                                 positions, sizes, contrib.on_flags, contrib.previous), rank, key)
+                                                 positions, sizes, contrib.on_flags, contrib.previous,
+                                                 zeros=zeros, finite=contrib.finite), rank, key)
     if bool((out.has_grad & skipped).any()):  # a rank has a gradient for a left-out parameter
         return (yield from alg.run(state, contrib, rank, key))
     if out.codes is not None:
