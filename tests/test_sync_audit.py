@@ -14,7 +14,8 @@ headers after them (:func:`dlion.buckets.read_flags`, :func:`dlion.wire.read_hea
 tallies stay on the device until ``comm_stats`` is read. That holds for the simulator (N = 4, two
 buckets: every worker's and bucket's together) and per rank of ``DistributedLion(overlap=False)``.
 With ``overlap=True`` backward's hooks make none (the header's status is completed on the device),
-and the exchange thread reads each bucket's received headers as they come.
+and the exchange thread reads each bucket's received headers as they come; the DDP communication
+hook makes none either before it returns, and reads the headers in its completion callback.
 
 Before these were batched, the GPU's ``torch.cuda.set_sync_debug_mode`` (tests/test_cuda.py,
 docs/results/gpu-check*/cuda_sync_counts.json) agreed with this audit line for line: 18 for the
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import sys
 import threading
 
 import pytest
@@ -333,79 +335,176 @@ def test_hierarchical_dense_step_per_rank_within_budget(shape, syncs):
     assert all(torch.equal(a, b) for r in dev[1:] for a, b in zip(dev[0][1], r[1]))  # the replicas agree
 
 
-DDP_HOOK_STEP = {  # one step of DDP with dlion_hook (comm="1bit"), per rank
-    "dlion/integrations/ddp.py _eager_contribution": (1, "bucket",
-        "inside backward's hook: the bucket's finiteness flag and zero count in one read; the 1-bit "
-        "header that the hook's first collective carries is built on the host from them (2 before: "
-        "bool() of the flag, then a check for zeros)"),
+DDP_HOOK_STEP = {  # one step of DDP with dlion_hook (comm="1bit"), per rank; none where the hook contributes
+    # (no _eager_contribution: the finiteness flag and zero count stay on the device, the header is
+    # completed there, dlion.wire._deferred_headers; 1 per bucket before)
     "dlion/wire.py _split": (1, "bucket",
-        "the received headers, in the collective's completion callback (here it may run inside the hook: "
-        "the threaded group completes the collective before the hook returns)"),
+        "the received headers, in the collective's completion callback (decide), once it has completed: every "
+        "rank reads the wire format and the failure flags there (with the threaded group the callback runs "
+        "before the hook returns; on Gloo or NCCL, on the group's thread)"),
 }
 
 
-def test_ddp_hook_step_per_rank_within_budget():
-    """DistributedDataParallel with dlion_hook on two ranks (threads, several buckets): one read per bucket
-    inside the hook, one in its callback. Backward runs without
-    the thread's torch-function modes, so the hook is audited by entering the mode inside it, and the
-    tensors DDP makes in C++ (the bucket, the gradients it writes) are tagged by hand. Parameters are
-    bitwise those of the same ranks on CPU tensors."""
+class _DDPHookAudit(EmulatedDevice):
+    """EmulatedDevice that also counts, apart, the synchronisations made in dlion_hook's completion
+    callback (``decide``, found on the stack), so that what the hook does before it returns its future
+    (contribute, issue the first collective) is counted on its own (``syncs`` minus ``callback``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.callback: collections.Counter = collections.Counter()
+
+    def _sync(self, what: str, times: int = 1) -> None:
+        super()._sync(what, times)
+        if not self.counting:
+            return
+        f = sys._getframe(1)
+        while f is not None:
+            if f.f_code.co_name == "decide" and f.f_code.co_filename.replace("\\", "/").endswith(
+                    "dlion/integrations/ddp.py"):
+                self.callback[f"{self.site()} ({what})"] += times
+                return
+            f = f.f_back
+
+    def contribute_site(self) -> dict:
+        """by_function() of the syncs made outside the callback."""
+        out: collections.Counter = collections.Counter()
+        for key, n in (self.syncs - self.callback).items():
+            where, func = key.split(" (")[0].split(" ")[:2]
+            out[f"{where.rsplit(':', 1)[0]} {func}"] += n
+        return dict(out)
+
+
+def _ddp_hook_run(rank: int, emulate: bool, schedule: list, options: dict, audit_from: int = 1):
+    """One rank's steps of DistributedDataParallel with dlion_hook(**options) on a model whose gradients
+    are exactly ``schedule[t][rank]`` (loss = Σ (p·g).sum(), several buckets); with ``emulate`` on emulated
+    CUDA tensors. Backward runs the hook without the thread's torch-function modes: the hook enters the
+    mode itself, and the tensors DDP makes in C++ (the bucket, the gradients it writes) are tagged by hand.
+    Returns per step (from ``audit_from``) the buckets, the syncs by function and those outside the
+    callback; after every step the parameters and then the Δ the hook wrote into their gradients;
+    skipped steps and buckets; the comm statistics (the hook records no vote tallies)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     from dlion.integrations.ddp import ApplyDelta, DLionHookState, dlion_hook
-    world, steps = 2, 3
 
-    def run(rank, emulate: bool):
-        model = torch.nn.Sequential(torch.nn.Linear(16, 96), torch.nn.Tanh(), torch.nn.Linear(96, 4))
-        gi = torch.Generator().manual_seed(0)
-        with torch.no_grad():
+    class Dot(torch.nn.Module):
+        def __init__(self, init):
+            super().__init__()
+            self.ps = torch.nn.ParameterList([torch.nn.Parameter(p.clone()) for p in init])
+
+        def forward(self, grads):
+            return sum((p * g).sum() for p, g in zip(self.ps, grads))
+
+    em = _DDPHookAudit()
+    mode = em if emulate else contextlib.nullcontext()
+    move = to_device if emulate else (lambda x: x)
+    counts, history, buckets = [], [], set()
+    with mode:
+        model = Dot(move(schedule[0]["params"]))
+        if emulate:
             for p in model.parameters():
-                p.copy_(torch.randn(p.shape, generator=gi) * 0.2)
-        em = EmulatedDevice()
-        mode = em if emulate else contextlib.nullcontext()
-        counts, buckets = [], set()
-        with mode:
+                em.tags[p] = True
+        # (DDP closes a bucket once it reaches the cap, in reverse order: (32, 32) alone, the rest together)
+        ddp = DDP(model, bucket_cap_mb=0.001)
+        state = DLionHookState(ddp.module, bucket_cap_mb=0.001, **options)
+
+        def hook(st, bucket):
+            buckets.add(bucket.index())
+            if emulate:
+                em.tags[bucket.buffer()] = True
+            with mode:
+                return dlion_hook(st, bucket)
+
+        ddp.register_comm_hook(state, hook)
+        opt = ApplyDelta(ddp.parameters(), lr=LR, weight_decay=0.1)
+        for t, step in enumerate(schedule[1:]):
+            grads = move(step[rank])
+            em.syncs.clear()
+            em.callback.clear()
+            buckets.clear()
+            em.counting = t >= audit_from  # (DDP rebuilds its buckets after the first iteration)
+            ddp(grads).backward()
             if emulate:
                 for p in model.parameters():
-                    em.tags[p] = True
-            ddp = DDP(model, bucket_cap_mb=0.001)
-            state = DLionHookState(ddp.module, bucket_cap_mb=0.001)
+                    em.tags[p.grad] = True
+            deltas = [p.grad.clone() for p in model.parameters()]  # (the hook's Δ, as DDP wrote it)
+            opt.step()
+            opt.zero_grad()
+            em.counting = False
+            assert not em.errors, em.errors
+            history.append([p.detach().clone() for p in model.parameters()] + deltas)
+            if t >= audit_from:
+                counts.append((len(buckets), em.by_function(), em.contribute_site()))
+        stats = state.comm_stats.state_dict()
+    return counts, history, (state.skipped_steps, state.skipped_buckets), stats
 
-            def hook(st, bucket):
-                buckets.add(bucket.index())
-                if emulate:
-                    em.tags[bucket.buffer()] = True
-                with mode:
-                    return dlion_hook(st, bucket)
 
-            ddp.register_comm_hook(state, hook)
-            opt = ApplyDelta(ddp.parameters(), lr=LR, weight_decay=0.1)
-            g = torch.Generator().manual_seed(100 + rank)
-            for step in range(steps):
-                x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-                if emulate:
-                    x, y = to_device(x), to_device(y)
-                em.syncs.clear()
-                buckets.clear()
-                em.counting = step >= 1  # (DDP rebuilds its buckets after the first iteration)
-                ((ddp(x) - y) ** 2).mean().backward()
-                if emulate:
-                    for p in model.parameters():
-                        em.tags[p.grad] = True
-                opt.step()
-                opt.zero_grad()
-                em.counting = False
-                if step >= 1:
-                    check_budget(em, DDP_HOOK_STEP, {"bucket": len(buckets)})
-                    counts.append((len(buckets), em.by_function()))
-        return counts, [p.detach().clone() for p in model.parameters()]
+def test_ddp_hook_step_per_rank_within_budget():
+    """DistributedDataParallel with dlion_hook (comm="1bit") on two ranks (threads, two buckets), dense
+    steps: where the hook contributes and issues its first collective, no host synchronisation (one read
+    per bucket before: the finiteness flag and zero count); in its completion callback one read per
+    bucket of the received headers. Parameters are bitwise those of the same ranks on CPU tensors."""
+    world, steps = 2, 3
+    schedule = _dense_schedule(steps, world)
+
+    def run(rank, emulate):
+        counts, history, _, _ = _ddp_hook_run(rank, emulate, schedule, {})
+        for k, by, _ in counts:
+            check_budget_counts(by, DDP_HOOK_STEP, {"bucket": k})
+        return counts, history
 
     dev = _threaded_ranks(world, lambda rank: run(rank, True))
     cpu = _threaded_ranks(world, lambda rank: run(rank, False))
-    for (counts, params), (_, want) in zip(dev, cpu):
-        assert all(k >= 2 and by == {"dlion/integrations/ddp.py _eager_contribution": k, "dlion/wire.py _split": k}
-                   for k, by in counts), counts
-        assert all(torch.equal(a, b) for a, b in zip(params, want))
-    assert all(torch.equal(a, b) for a, b in zip(dev[0][1], dev[1][1]))
+    for (counts, history), (_, want) in zip(dev, cpu):
+        assert len(counts) == steps - 1
+        for k, by, contribute in counts:
+            assert k == 2 and by == {"dlion/wire.py _split": k}, by
+            assert contribute == {}, contribute
+        assert all(torch.equal(a, b) for got, ref in zip(history, want) for a, b in zip(got, ref))
+    assert all(torch.equal(a, b) for a, b in zip(dev[0][1][-1], dev[1][1][-1]))
+
+
+def check_budget_counts(by_function: dict, budget: dict, units: dict) -> None:
+    """:func:`check_budget` of counts already taken (by function)."""
+    allowed = _allowed(budget, units)
+    over = {site: (n, allowed.get(site, 0)) for site, n in by_function.items() if n > allowed.get(site, 0)}
+    assert not over, f"host synchronisations over budget, site: (counted, allowed) {over}"
+
+
+@pytest.mark.parametrize("options, resent", [
+    (dict(vote="mavo"), True), (dict(vote="mavo", ties="random"), True), (dict(vote="avg"), True),
+    (dict(vote="mavo", comm="allgather"), False), (dict(vote="avg", comm="pbit"), False)],
+    ids=["mavo", "mavo-random", "avg", "allgather", "pbit-avg"])
+def test_ddp_hook_with_abstentions_matches_the_cpu(options, resent):
+    """dlion_hook on emulated CUDA tensors through steps with exact zeros in c (rank 0, steps 0 … 2), ties
+    (two ranks) and a NaN (rank 1, step 6): no host synchronisation where the hook contributes and issues
+    its first collective in any step, and after every step the parameters are bitwise those of the same
+    ranks on CPU tensors, as is each step's Δ, with the same skipped step and bucket. Rank 0's own
+    zeros make its 1-bit header flag an overflow (no runs listed), so that bucket goes again in base 3
+    (more bytes than on the CPU, the same votes); ``allgather`` (always base 3 in the hook) and ``pbit``
+    send the same bytes."""
+    world = 2
+    schedule = [step if t == 0 else [[g if g is not None else torch.zeros(s) for g, s in zip(r, SHAPES)]
+                                     for r in step]
+                for t, step in enumerate(_abstaining_schedule(world))]  # (DDP: no gradient is a zero one)
+
+    def run(rank, emulate):
+        return _ddp_hook_run(rank, emulate, schedule, options, audit_from=0)
+
+    dev = _threaded_ranks(world, lambda rank: run(rank, True))
+    cpu = _threaded_ranks(world, lambda rank: run(rank, False))
+    for (counts, history, skipped, stats), (_, want, want_skipped, want_stats) in zip(dev, cpu):
+        assert [contribute for _, _, contribute in counts] == [{}] * 8
+        assert skipped == want_skipped == (1, 1)  # the NaN's bucket, in step 6
+        for got, ref in zip(history, want):
+            assert all(torch.equal(a, b) for a, b in zip(got, ref))
+        if options.get("ties", "zero") == "zero":  # two ranks: a tie wherever their signs differ, Δ = 0 there
+            assert all(bool((d == 0).any()) for d in history[7][len(SHAPES):])
+        if resent:
+            assert stats["bytes_sent"] > want_stats["bytes_sent"]
+        else:
+            assert stats["bytes_sent"] == want_stats["bytes_sent"]
+    assert all(torch.equal(a, b) for a, b in zip(dev[0][1][-1], dev[1][1][-1]))  # the replicas agree
+    assert not all(torch.equal(a, b) for a, b in zip(dev[0][1][0], dev[0][1][-1]))  # (they moved)
 
 
 # -- overlap=True: the gradient hooks ------------------------------------------------------------

@@ -272,9 +272,11 @@ def _eager_contribution(state: DLionHookState, grad: Tensor, params: list, n: in
     """sign(β1·m + (1 − β1)·g) of the bucket, in torch ops. The momentum is not touched here:
     :func:`_update_momenta` runs once the vote has shown that every rank's bucket was finite.
 
-    Off the CPU the finiteness flag and the number of zero signs are computed on the device and read
-    together (one host synchronisation: the header that the first collective carries is built on the
-    host from them), and the 1-bit payload is packed there, as :func:`dlion.buckets.contribute` does."""
+    Off the CPU nothing is read on the host (this runs inside backward): the finiteness flag and the
+    number of zero signs stay on the device (:attr:`dlion.wire.Contribution.finite`), where the algorithm
+    completes the header that the first collective carries (:func:`dlion.wire._deferred_headers`; c's own
+    zeros make it an overflow, re-sent in base 3: the same vote), and the 1-bit payload is packed there,
+    as :func:`dlion.buckets.contribute` does."""
     beta1 = state.betas[0]
     with torch.no_grad():
         g = grad.float()
@@ -283,10 +285,9 @@ def _eager_contribution(state: DLionHookState, grad: Tensor, params: list, n: in
         values = torch.zeros(padded_length(n, state.world), dtype=torch.int8, device=grad.device)
         values[:n].copy_(torch.sign(c))
         if n and grad.device.type != "cpu":
-            nonzero = torch.count_nonzero(values[:n])
-            finite, nonzero = torch.stack([finite_flag(c).to(torch.int64), nonzero]).tolist()
-            return Contribution(values, n, torch.ones(len(params), dtype=torch.bool), 0 if finite else 2, 0,
-                                packed=_SIGN.encode(values), zeros=n - nonzero)
+            zeros = n - torch.count_nonzero(values[:n])  # (0-d int64 tensors on the device, not read)
+            return Contribution(values, n, torch.ones(len(params), dtype=torch.bool), 0, 0,
+                                packed=_SIGN.encode(values), zeros=zeros, finite=finite_flag(c))
         finite = bool(torch.isfinite(torch.stack(torch.aminmax(c))).all()) if n else True
     return Contribution(values, n, torch.ones(len(params), dtype=torch.bool), 0 if finite else 2, 0)
 
