@@ -361,7 +361,7 @@ def _deferred_headers(contrib: Contribution, blocks: int, capacity: int, slots: 
     host = _headers(contrib, blocks, capacity, runs, slots)  # (c's own zeros aside: these bytes)
     dev = contrib.values.device
     h = host.pin_memory().to(dev, non_blocking=True) if dev.type != "cpu" else host
-    absent = sum(n for n, has in zip(contrib.sizes or [], contrib.has_grad.tolist()) if not has)
+    absent = _absent_values(contrib)
     own = _device_zeros(contrib) - absent
     extra = own > 0
     # an own zero: listed runs or not, the sender abstains and overflows; no run is listed
@@ -380,6 +380,11 @@ def _deferred_headers(contrib: Contribution, blocks: int, capacity: int, slots: 
     return h
 
 
+def _absent_values(contrib: Contribution) -> int:
+    """How many of the sender's values belong to parameters it has no gradient for (its zeros by design)."""
+    return sum(n for n, has in zip(contrib.sizes or [], contrib.has_grad.tolist()) if not has)
+
+
 def _zeros_within_parameters(contrib: Contribution) -> int:
     """The sender's zeros besides the parameters it has no gradient for (c = 0, a sign hook's
     zeros); every coordinate where the parameter sizes are unknown or a hook voted where the
@@ -387,7 +392,7 @@ def _zeros_within_parameters(contrib: Contribution) -> int:
     if contrib.sizes is None:
         return contrib.numel
     zeros = contrib.numel - int(torch.count_nonzero(contrib.values[:contrib.numel]))
-    extra = zeros - sum(n for n, h in zip(contrib.sizes, contrib.has_grad.tolist()) if not h)
+    extra = zeros - _absent_values(contrib)
     return extra if extra >= 0 else contrib.numel
 
 

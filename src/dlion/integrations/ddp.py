@@ -77,7 +77,7 @@ from torch import Tensor
 from torch.distributed.algorithms.join import JoinHook, Joinable
 
 from .. import kernels
-from ..buckets import finite_flag
+from ..buckets import all_finite, finite_flag
 from ..codec import SignCodec
 from ..vote import VoteRule, coin_key
 from ..wire import Contribution, WireState, make_algorithm, padded_length
@@ -288,7 +288,7 @@ def _eager_contribution(state: DLionHookState, grad: Tensor, params: list, n: in
             zeros = n - torch.count_nonzero(values[:n])  # (0-d int64 tensors on the device, not read)
             return Contribution(values, n, torch.ones(len(params), dtype=torch.bool), 0, 0,
                                 packed=_SIGN.encode(values), zeros=zeros, finite=finite_flag(c))
-        finite = bool(torch.isfinite(torch.stack(torch.aminmax(c))).all()) if n else True
+        finite = all_finite(c)  # (True when n = 0)
     return Contribution(values, n, torch.ones(len(params), dtype=torch.bool), 0 if finite else 2, 0)
 
 
