@@ -1,32 +1,53 @@
 """The held-out rule picks per method the lr with the fewest steps to the target; a miss loses to
-any hit; ties and misses go to the lowest loss (dlion.lab.bench.heldout)."""
+any hit; ties and misses go to the lowest loss; then a 10 % warm-up at that lr replaces 30 % only
+if it ranks better; runs of other seeds never count (dlion.lab.bench.heldout)."""
 
 import json
 
 from dlion.lab.bench import heldout
 
 
-def _write(root, lr, curves):
-    d = root / f"lr{lr}-seed100"
+def _write(root, name, curves, lr, warmup=0.3, seed=100):
+    d = root / name
     d.mkdir()
-    (d / "ttq_results.json").write_text(json.dumps({"curves": curves}))
+    (d / "ttq_results.json").write_text(json.dumps(
+        {"config": {"seed": seed, "lr": lr, "warmup_frac": warmup}, "curves": curves}))
 
 
-def test_rule_on_literal_curves(tmp_path):
-    _write(tmp_path, "1e-4", {"a": [[0, 3.0], [10, 2.05], [20, 2.0]], "b": [[0, 3.0], [10, 2.3]],
-                              "c": [[0, 3.0], [10, 2.09]]})
-    _write(tmp_path, "2e-4", {"a": [[0, 3.0], [10, 2.5], [20, 2.09]], "b": [[0, 3.0], [10, 2.2]],
-                              "c": [[0, 3.0], [10, 2.08]]})
-    _write(tmp_path, "3e-4", {"a": [[0, 3.0], [10, 2.2]], "b": [[0, 3.0], [10, 2.1]],
-                              "c": [[0, 3.0], [10, 2.2]]})
+def test_lr_stage_on_literal_curves(tmp_path):
+    _write(tmp_path, "lr1e-4-seed100", {"a": [[0, 3.0], [10, 2.05], [20, 2.0]], "b": [[0, 3.0], [10, 2.3]],
+                                        "c": [[0, 3.0], [10, 2.09]]}, 1e-4)
+    _write(tmp_path, "lr2e-4-seed100", {"a": [[0, 3.0], [10, 2.5], [20, 2.09]], "b": [[0, 3.0], [10, 2.2]],
+                                        "c": [[0, 3.0], [10, 2.08]]}, 2e-4)
+    _write(tmp_path, "x-lr3e-4-seed100", {"a": [[0, 3.0], [10, 2.2]], "b": [[0, 3.0], [10, 2.1]],
+                                          "c": [[0, 3.0], [10, 2.2]]}, 3e-4)
+    _write(tmp_path, "eval-seed0", {"a": [[0, 3.0], [5, 1.0]]}, 3e-4, seed=0)  # an evaluation seed: ignored
     rows = heldout.rows_of(str(tmp_path), 2.1)
     assert {(r["method"], r["lr"]): r["steps_to_target"] for r in rows} == {
         ("a", 1e-4): 10, ("a", 2e-4): 20, ("a", 3e-4): None,
         ("b", 1e-4): None, ("b", 2e-4): None, ("b", 3e-4): 10,   # 2.1 itself counts as reached
         ("c", 1e-4): 10, ("c", 2e-4): 10, ("c", 3e-4): None}
+    lrs = {m: c["lr"] for m, c in heldout.choose(rows).items()}
     # a: fewest steps; b: the only hit beats lower-loss misses; c: a tie in steps goes to the lower loss
-    assert heldout.choose(rows) == {"a": 1e-4, "b": 3e-4, "c": 2e-4}
+    assert lrs == {"a": 1e-4, "b": 3e-4, "c": 2e-4}
     # misses only: the lowest best loss
-    assert heldout.choose([r for r in rows if r["method"] == "b" and r["lr"] < 3e-4]) == {"b": 2e-4}
+    assert heldout.choose([r for r in rows if r["method"] == "b" and r["lr"] < 3e-4])["b"]["lr"] == 2e-4
     assert heldout.main([str(tmp_path)]) == 0
-    assert json.loads((tmp_path / "tune_seed100.json").read_text())["chosen_lion_lr"] == {"a": 1e-4, "b": 3e-4, "c": 2e-4}
+    chosen = json.loads((tmp_path / "tune_seed100.json").read_text())["chosen"]
+    assert {m: (c["lr"], c["warmup"], c["warmup_searched"]) for m, c in chosen.items()} == {
+        "a": (1e-4, 0.3, False), "b": (3e-4, 0.3, False), "c": (2e-4, 0.3, False)}
+    assert "warm-up not searched yet" in (tmp_path / "tune_seed100.txt").read_text()
+
+
+def test_warmup_stage_replaces_30_percent_only_when_10_percent_ranks_better(tmp_path):
+    _write(tmp_path, "lr1e-4", {"a": [[0, 3.0], [10, 2.05]], "b": [[0, 3.0], [20, 2.05]], "c": [[0, 3.0], [10, 2.3]]}, 1e-4)
+    _write(tmp_path, "lr2e-4", {"a": [[0, 3.0], [10, 2.2]], "b": [[0, 3.0], [10, 2.2]], "c": [[0, 3.0], [10, 2.4]]}, 2e-4)
+    # 10 % warm-up: a ties in steps with a higher loss (30 % kept); b hits sooner (10 % taken); c misses
+    # lower (10 % taken: misses rank by loss); a 10 % run at an lr stage 1 did not choose never counts
+    _write(tmp_path, "w-a", {"a": [[0, 3.0], [10, 2.08]]}, 1e-4, warmup=0.1)
+    _write(tmp_path, "w-b", {"b": [[0, 3.0], [10, 2.09]]}, 1e-4, warmup=0.1)
+    _write(tmp_path, "w-c", {"c": [[0, 3.0], [10, 2.2]]}, 1e-4, warmup=0.1)
+    _write(tmp_path, "w-a-other-lr", {"a": [[0, 3.0], [5, 1.0]]}, 2e-4, warmup=0.1)
+    chosen = heldout.choose(heldout.rows_of(str(tmp_path), 2.1))
+    assert {m: (c["lr"], c["warmup"], c["warmup_searched"]) for m, c in chosen.items()} == {
+        "a": (1e-4, 0.3, True), "b": (1e-4, 0.1, True), "c": (1e-4, 0.1, True)}
