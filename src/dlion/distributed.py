@@ -24,8 +24,7 @@ Data flow of :meth:`DistributedLion.step`, per bucket (:mod:`dlion.buckets`):
 A step issues, per bucket, the algorithm's collectives (``1bit``: one
 ``all_to_all`` and one ``all_gather``; ``allgather``/``pbit``/``quantized``: one),
 all with ``async_op=True``; a bucket is re-sent once in base 3 only when some
-rank's abstentions stop fitting the run table (or, from a hook off the CPU, when
-some rank's c has zeros of its own). The first collective of every bucket is
+rank's abstentions stop fitting the run table. The first collective of every bucket is
 issued before any is waited on. With ``overlap=True`` a bucket's contribution
 and first collective start from gradient hooks as soon as backward has produced
 its last gradient (off the CPU without reading anything on the host: the header's
