@@ -24,12 +24,11 @@ Data flow of :meth:`DistributedLion.step`, per bucket (:mod:`dlion.buckets`):
 A step issues, per bucket, the algorithm's collectives (``1bit``: one
 ``all_to_all`` and one ``all_gather``; ``allgather``/``pbit``/``quantized``: one),
 all with ``async_op=True``; a bucket is re-sent once in base 3 only when some
-rank's abstentions stop fitting the run table (or, from a hook off the CPU, when
-some rank's c has zeros of its own). The first collective of every bucket is
+rank's abstentions stop fitting the run table. The first collective of every bucket is
 issued before any is waited on. With ``overlap=True`` a bucket's contribution
 and first collective start from gradient hooks as soon as backward has produced
 its last gradient (off the CPU without reading anything on the host: the header's
-status is completed on the device, :func:`dlion.wire._deferred_headers`), and, on
+status is completed on the device, :func:`dlion.wire._device_headers`), and, on
 the default group, its later collectives go on a second process group so that
 ranks never disagree on the order of collectives; an exchange thread issues them
 as soon as they can go (:mod:`dlion.pipeline`).
@@ -348,7 +347,7 @@ class DistributedLion(DistributedBase):
         contribution is made first and their flags are read in one host synchronisation
         (:func:`dlion.buckets.read_flags`) — except from a gradient hook (``in_hook``, no ``sign_hook``):
         there nothing is read, each bucket leaves at once and its algorithm builds the header from the
-        flags on the device (:func:`dlion.wire._deferred_headers`), so backward never waits for the device."""
+        flags on the device (:func:`dlion.wire._device_headers`), so backward never waits for the device."""
         st = self._step
         ready, unread = [], False
         defer = in_hook and self.sign_hook is None  # (a sign hook's output is checked on the host)

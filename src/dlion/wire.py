@@ -35,11 +35,11 @@ end)`` pairs, up to ``runs_capacity`` per block, a fixed part of the header);
 receivers mask them out of the count. Where a rank has more runs than fit, every
 rank sees its overflow bit after the first collective, the bucket is re-sent as
 base-3 digits (1.6 bits) and stays so until everyone's runs fit again (half the
-capacity). A header built on the device without reading the sender's zero count
-(:func:`_deferred_headers`) cannot list zeros of c's own: it reports an overflow, the
-same votes in base 3. The codes come back the same way: ±1 as 1 bit plus the zero runs of
-the result (where every rank abstained, or a tie gave 0), base-3 only when those
-runs do not fit — unless every abstention is a whole parameter without
+capacity). Off the CPU the runs are found and listed on the device (:func:`device_runs`,
+:func:`_device_headers`) without the host reading their number — the header's room is
+fixed — so the bytes are those the host builds on the CPU, with no host synchronisation.
+The codes come back the same way: ±1 as 1 bit plus the zero runs of the result
+(where every rank abstained, or a tie gave 0), base-3 only when those runs do not fit — unless every abstention is a whole parameter without
 gradient: then every rank knows each coordinate's number of voters from the
 headers' bitmaps and the codes come back in the bits that number allows
 (:class:`_ByVoters`). :func:`run_compacted` leaves the parameters no rank had a
@@ -110,7 +110,7 @@ class Contribution:
     #: off the CPU, flags not read on the host (``DistributedLion(overlap=True)`` from backward's hooks):
     #: a 0-d bool tensor on the device, whether this rank's values are finite; ``status`` then lacks
     #: NONFINITE, ``zeros`` (if given) is a 0-d int64 tensor there too, and the algorithm builds its header
-    #: on the device without reading either (:func:`_deferred_headers`, :func:`_fields`)
+    #: on the device without reading either (:func:`_device_headers`, :func:`_fields`)
     finite: Optional[Tensor] = None
 
     def index(self, lo: int, n: int) -> Optional[Tensor]:
@@ -221,6 +221,87 @@ def zero_runs(values: Tensor, rows: int, numel: int) -> tuple[Tensor, Tensor, Te
 _NO_RUNS = (torch.zeros(0, dtype=torch.int64),) * 3
 
 
+def _run_edges(values: Tensor, rows: int, numel: int) -> tuple[Tensor, Tensor]:
+    """(rows, width) bool masks of the first and of the last zero of every run of 0 in values[:numel]."""
+    zero = values == 0
+    if numel < values.numel():
+        zero[max(0, numel):] = False  # padding is not a run
+    zero = zero.view(rows, -1)
+    edge = torch.zeros(rows, 1, dtype=torch.bool, device=values.device)  # a run never crosses a row
+    return zero & ~torch.cat([edge, zero[:, :-1]], 1), zero & ~torch.cat([zero[:, 1:], edge], 1)
+
+
+def device_runs(values: Tensor, rows: int, numel: int, capacity: int) -> tuple[Tensor, Tensor]:
+    """:func:`zero_runs` for a header with room for ``capacity`` runs per row, found on ``values``' device
+    with no host synchronisation: the host need not know how many runs there are, since the header's room
+    is fixed. Returns (counts, table): int64 (rows,), each row's number of runs, and int32 (rows, capacity, 2),
+    row r's first min(counts[r], capacity) runs' (start, end) in order, zeros in the other slots — what
+    :func:`_headers` writes where no row has more than ``capacity`` runs (a caller flags an overflow
+    otherwise, and lists none). Finds the runs' first and last zeros by comparing neighbours, then their
+    positions with ``nonzero_static`` (fixed output size, no read of the count)."""
+    n = values.numel()
+    width = n // rows
+    dev = values.device
+    if width == 0:
+        return (torch.zeros(rows, dtype=torch.int64, device=dev),
+                torch.zeros(rows, capacity, 2, dtype=torch.int32, device=dev))
+    firsts, lasts = _run_edges(values, rows, numel)
+    counts = firsts.sum(1)
+    room = rows * capacity  # more runs than that: some row has more than capacity (an overflow)
+    at = torch.nonzero_static(firsts.view(-1), size=room, fill_value=-1).view(-1)
+    to = torch.nonzero_static(lasts.view(-1), size=room, fill_value=-1).view(-1)  # (the same runs, in order)
+    row = at.clamp(min=0) // width
+    pos = torch.arange(room, device=dev) - (torch.cumsum(counts, 0) - counts)[row]
+    ok = (at >= 0) & (pos < capacity)
+    slot = torch.where(ok, row * capacity + pos, room)  # the rest to a spare slot, dropped
+    pairs = torch.stack([at - row * width, to + 1 - row * width], 1).to(torch.int32)
+    table = torch.zeros(room + 1, 2, dtype=torch.int32, device=dev)
+    table.index_put_((slot,), pairs)
+    return counts, table[:room].view(rows, capacity, 2)
+
+
+def _device_within(contrib: Contribution) -> Tensor:
+    """:func:`_zeros_within_parameters` as a 0-d int64 tensor on the values' device (no host read)."""
+    dev = contrib.values.device
+    if contrib.sizes is None:
+        return torch.full((), contrib.numel, dtype=torch.int64, device=dev)
+    zeros = contrib.zeros if contrib.zeros is not None else _device_zeros(contrib)
+    extra = zeros - _absent_values(contrib)
+    if not isinstance(extra, Tensor):  # (the zero count read already, with the finiteness flags)
+        return torch.full((), extra if extra >= 0 else contrib.numel, dtype=torch.int64, device=dev)
+    return torch.where(extra >= 0, extra, contrib.numel).to(torch.int64)
+
+
+def _device_headers(contrib: Contribution, blocks: int, capacity: int, slots: bool, scattered: bool) -> Tensor:
+    """:func:`_headers` of :func:`zero_runs` made on the values' device with no host synchronisation, the same
+    bytes: the host writes what it knows (status, digest, bitmap) and one copy from pinned memory takes it
+    to the device, where the runs (:func:`device_runs`) and the status bits they decide are written by
+    tensor operations: _ABSTAINS where there is a run, _FITS where no block has more than ``capacity // 2``,
+    _OVERFLOW (no run listed) where one has more than ``capacity``, _SCATTERED (with ``scattered``) where
+    there is a run and :func:`_zeros_within_parameters` exceeds ``capacity // 2``; NONFINITE where
+    ``contrib.finite`` (if given) is false."""
+    host = _headers(contrib, blocks, capacity, _NO_RUNS, slots)
+    host[:, 0] = contrib.status  # (without the _FITS of no runs: set below)
+    values = contrib.values
+    h = host.pin_memory().to(values.device, non_blocking=True) if values.device.type != "cpu" else host
+    counts, table = device_runs(values, blocks, contrib.numel, capacity)
+    most = counts.max()
+    runs, over = most > 0, most > capacity
+    bits = (runs.to(torch.int32) * _ABSTAINS + (most <= capacity // 2).to(torch.int32) * _FITS
+            + over.to(torch.int32) * _OVERFLOW)
+    if scattered:
+        bits = bits + (runs & (_device_within(contrib) > capacity // 2)).to(torch.int32) * _SCATTERED
+    if contrib.finite is not None:
+        bits = bits + (~contrib.finite).to(torch.int32) * NONFINITE
+    h[:, 0] = h[:, 0] | bits
+    if slots:
+        keep = (~over).to(torch.int32)
+        g = -(-contrib.has_grad.numel() // _BITMAP_BITS)
+        h[:, 2] = counts.to(torch.int32) * keep
+        h[:, 3 + g:] = table.view(blocks, -1) * keep
+    return h
+
+
 def _has_zeros(values: Tensor) -> bool:
     if values.device.type == "cpu" and values.dtype == torch.int8:
         return kernels.count_zeros(values) > 0
@@ -239,10 +320,12 @@ def runs_mask(rows: Tensor, starts: Tensor, ends: Tensor, shape: tuple[int, int]
     return edge.view(r, w + 1).cumsum(1)[:, :w] > 0
 
 
-def run_indices(starts: Tensor, ends: Tensor) -> Tensor:
-    """Every index inside the runs [starts[i], ends[i]), run after run: work in their total length."""
+def run_indices(starts: Tensor, ends: Tensor, total: Optional[int] = None) -> Tensor:
+    """Every index inside the runs [starts[i], ends[i]), run after run: work in their total length
+    (``total``, where the caller knows it: otherwise read from the runs, a host read off the CPU)."""
     lengths = ends - starts
-    total = int(lengths.sum())
+    if total is None:
+        total = int(lengths.sum())
     if total == 0:
         return starts.new_zeros(0)
     skip = torch.cumsum(lengths, 0) - lengths
@@ -250,9 +333,11 @@ def run_indices(starts: Tensor, ends: Tensor) -> Tensor:
         total, dtype=starts.dtype, device=starts.device)
 
 
-def _few(starts: Tensor, ends: Tensor, size: int) -> bool:
-    """Runs short enough in total (≤ 1/16 of ``size``) to be handled by their indices, not a mask."""
-    return int((ends - starts).sum()) * 16 <= size
+def _host_to(host: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on ``device``; off the CPU from pinned memory, asynchronously (no host wait)."""
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 # -- the header that rides in front of a block ------------------------------------------
@@ -312,72 +397,11 @@ def _headers(contrib: Contribution, blocks: int, capacity: int, runs, slots: boo
     return h
 
 
-def _absent_runs(contrib: Contribution, rows: int) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`zero_runs` of ``contrib.values`` as they are when their only zeros are the parameters the
-    sender has no gradient for: found on the host from ``sizes`` and ``has_grad`` (work in the number of
-    parameters), no look at the values. Host int64 tensors (row, start, end)."""
-    width = contrib.values.numel() // rows
-    spans: list = []
-    at = 0
-    for n, has in zip(contrib.sizes or [], contrib.has_grad.tolist()):
-        if n and not has:
-            if spans and spans[-1][1] == at:  # adjacent absent parameters are one run, as zero_runs finds it
-                spans[-1][1] = at + n
-            else:
-                spans.append([at, at + n])
-        at += n
-    out: tuple = ([], [], [])
-    for lo, hi in spans:
-        while lo < hi:  # a run never crosses a row
-            row = lo // width
-            end = min(hi, (row + 1) * width)
-            for col, v in zip(out, (row, lo - row * width, end - row * width)):
-                col.append(v)
-            lo = end
-    return tuple(torch.tensor(col, dtype=torch.int64) for col in out)
-
-
 def _device_zeros(contrib: Contribution) -> Tensor:
     """How many of the values are 0, as a 0-d tensor on their device (``contrib.zeros`` where given)."""
     if isinstance(contrib.zeros, Tensor):
         return contrib.zeros
     return contrib.numel - torch.count_nonzero(contrib.values[:contrib.numel])
-
-
-def _deferred_headers(contrib: Contribution, blocks: int, capacity: int, slots: bool, scattered: bool) -> Tensor:
-    """:func:`_headers` on the device without reading the sender's finiteness flag and zero count there
-    (``contrib.finite``, ``contrib.zeros``: :attr:`Contribution.finite`). The host builds the header the
-    sender sends when its only zeros are its parameters without gradient (runs known from the sizes,
-    :func:`_absent_runs`); one copy from pinned memory takes it to the device, where the status word is
-    completed by tensor operations: NONFINITE where ``finite`` is false and, where c has zeros of its own
-    (more zeros than those parameters hold), _ABSTAINS | _OVERFLOW (and _SCATTERED, with ``scattered``,
-    for more than ``capacity // 2`` of them, as :meth:`OneBit.run` decides it) with no run listed.
-
-    The bytes are those of :func:`_headers` unless c has zeros of its own: then its runs are not listed
-    and the overflow makes every rank re-send the bucket in base 3 (and stay there until every sender
-    fits again), where :func:`_headers` would have listed them if they fit. The base-3 count is the same
-    (s, nz), so the codes, and every rank's outcome, are bitwise the same; only bytes on the wire differ."""
-    runs = _absent_runs(contrib, blocks)
-    host = _headers(contrib, blocks, capacity, runs, slots)  # (c's own zeros aside: these bytes)
-    dev = contrib.values.device
-    h = host.pin_memory().to(dev, non_blocking=True) if dev.type != "cpu" else host
-    absent = _absent_values(contrib)
-    own = _device_zeros(contrib) - absent
-    extra = own > 0
-    # an own zero: listed runs or not, the sender abstains and overflows; no run is listed
-    status = h[:, 0]
-    fallback = (status & (BAD | NONFINITE)) | (_ABSTAINS | _OVERFLOW)
-    if scattered:
-        within = own if contrib.sizes is not None else torch.full_like(own, contrib.numel)
-        fallback = fallback | (within > capacity // 2).to(torch.int32) * _SCATTERED
-    status = torch.where(extra, fallback, status) | (~contrib.finite).to(torch.int32) * NONFINITE
-    h[:, 0] = status
-    if slots:
-        keep = (~extra).to(torch.int32)
-        g = -(-contrib.has_grad.numel() // _BITMAP_BITS)
-        h[:, 2] *= keep
-        h[:, 3 + g:] *= keep
-    return h
 
 
 def _absent_values(contrib: Contribution) -> int:
@@ -540,15 +564,17 @@ class Algorithm:
         slots = runs_hdr[:, 1:].view(senders, capacity, 2)
         sel = torch.arange(capacity).view(1, -1) < counts.view(-1, 1)
         rows = torch.arange(senders).view(-1, 1).expand(-1, capacity)[sel]
-        off = slots[sel].long().to(bits.device)
+        off = slots[sel].long()  # (on the host: the received headers)
+        total = int((off[:, 1] - off[:, 0]).sum())
+        rows, off = _host_to(rows, bits.device), _host_to(off, bits.device)
         # An abstention (δ = 0) travels as bit 0, so it adds nothing to the +1 count: only nz changes.
         plus = row_sum(bits)
-        if _few(off[:, 0], off[:, 1], senders * width):  # a few zeros (c = 0 by rounding): no full mask
+        if total * 16 <= senders * width:  # a few zeros (c = 0 by rounding, ≤ 1/16): indices, no full mask
             nz = torch.full_like(plus, senders)
-            at = run_indices(off[:, 0], off[:, 1])
+            at = run_indices(off[:, 0], off[:, 1], total)
             nz.index_add_(0, at, torch.full(at.shape, -1, dtype=nz.dtype, device=nz.device))
         else:
-            nz = row_sum(~runs_mask(rows.to(bits.device), off[:, 0], off[:, 1], (senders, width)))
+            nz = row_sum(~runs_mask(rows, off[:, 0], off[:, 1], (senders, width)))
         if lo + width > numel:
             nz[max(0, numel - lo):] = 0  # padding abstains everywhere
         return plus.mul_(2).sub_(nz), nz
@@ -557,7 +583,14 @@ class Algorithm:
     def _down_block(self, codes: Tensor, numel: int, lo: int, codec, capacity: int) -> Tensor:
         if codec is not None:
             return codec.encode(codes)
-        rows, starts, ends = zero_runs(codes, 1, max(0, min(numel - lo, codes.numel())))
+        real = max(0, min(numel - lo, codes.numel()))
+        if codes.device.type != "cpu":  # the same header made on the device, with no host read (device_runs)
+            counts, table = device_runs(codes, 1, real, capacity)
+            over = counts > capacity
+            h = torch.cat([torch.where(over, -1, counts).to(torch.int32),
+                           table.view(-1) * (~over).to(torch.int32)]).view(1, -1)
+            return _blocks(h, _SIGN.encode(codes), 1)
+        rows, starts, ends = zero_runs(codes, 1, real)
         h = torch.zeros(1, 1 + 2 * capacity, dtype=torch.int32)
         if rows.numel() > capacity:
             h[0, 0] = -1  # overflow: every rank sees it and the codes are re-sent in base 3
@@ -578,17 +611,21 @@ class Algorithm:
         sel = torch.arange(capacity).view(1, -1) < counts.view(-1, 1)
         if bool(sel.any()):
             rows = torch.arange(blocks).view(-1, 1).expand(-1, capacity)[sel]
-            off = headers[:, 1:].view(blocks, capacity, 2)[sel].long()
+            off = headers[:, 1:].view(blocks, capacity, 2)[sel].long()  # (on the host: the received headers)
+            total = int((off[:, 1] - off[:, 0]).sum())
             dev = codes.device
-            rows, starts, ends = rows.to(dev), off[:, 0].to(dev), off[:, 1].to(dev)
-            if _few(starts, ends, codes.numel()):
-                codes.view(-1).index_fill_(0, run_indices(rows * width + starts, rows * width + ends), 0)
+            rows, off = _host_to(rows, dev), _host_to(off, dev)
+            starts, ends = off[:, 0], off[:, 1]
+            if total * 16 <= codes.numel():  # (few zeros: indices, no full mask)
+                codes.view(-1).index_fill_(0, run_indices(rows * width + starts, rows * width + ends, total), 0)
             else:
                 codes.masked_fill_(runs_mask(rows, starts, ends, (blocks, width)), 0)
         return codes.view(-1)
 
     @staticmethod
     def _runs_fit(codes: Tensor, blocks: int, numel: int, capacity: int) -> bool:
+        if codes.device.type != "cpu":  # counted on the device: one read of the answer
+            return bool(_run_edges(codes, blocks, numel)[0].sum(1).max() <= capacity // 2)
         rows, _, _ = zero_runs(codes, blocks, numel)
         return rows.numel() == 0 or int(torch.bincount(rows, minlength=blocks).max()) <= capacity // 2
 
@@ -670,23 +707,27 @@ class OneBit(Algorithm):
         packed = contrib.packed
         deferred = contrib.finite is not None  # the flags stay on the device: so does the header's status
         if deferred:
-            runs = scattered = None  # (not looked for: _deferred_headers)
+            runs = scattered = None  # (looked for on the device: _device_headers)
+        elif packed is not None and contrib.zeros == 0:
+            runs = _NO_RUNS
+        elif contrib.values.device.type != "cpu":
+            runs = scattered = None  # found and listed on the device, no host read (_device_headers)
         elif packed is not None and contrib.zeros is not None:
-            runs = zero_runs(contrib.values, N, numel) if contrib.zeros else _NO_RUNS
-        elif contrib.values.device.type == "cpu" and contrib.values.dtype == torch.int8 and kernels.available():
+            runs = zero_runs(contrib.values, N, numel)
+        elif contrib.values.dtype == torch.int8 and kernels.available():
             # the 1-bit payload and whether there is any zero to describe, in one pass over the signs
             packed, zeros = kernels.pack_positive_counting(contrib.values, numel)
             runs = zero_runs(contrib.values, N, numel) if zeros else _NO_RUNS
         else:
             runs = zero_runs(contrib.values, N, numel)
         # many zeros besides whole parameters without gradient: the codes come back without _ByVoters
-        if not deferred:
+        if runs is not None:
             scattered = bool(runs[0].numel()) and _zeros_within_parameters(contrib) > cap // 2
         # way up: block r = this rank's header (with its zero runs in chunk r) + its signs of chunk r
         while True:
             fmt = state.up
-            if deferred:
-                headers = _deferred_headers(contrib, N, cap, slots=fmt == "runs", scattered=True)
+            if runs is None:
+                headers = _device_headers(contrib, N, cap, slots=fmt == "runs", scattered=True)
             else:
                 headers = _headers(contrib, N, cap, runs, slots=fmt == "runs", scattered=scattered)
             codec = _SIGN if fmt == "runs" else _TRIT
@@ -908,12 +949,17 @@ class AllGather(Algorithm):
         N, n, numel = self.world, contrib.values.numel(), contrib.numel
         k, cap = contrib.has_grad.numel(), _capacity(n)
         # (the zero count made with the signs, where known, spares the search for zeros when there are none)
-        deferred = contrib.finite is not None  # (flags on the device: the header is made there)
-        runs = None if deferred else _NO_RUNS if contrib.zeros == 0 else zero_runs(contrib.values, 1, numel)
+        # (flags on the device, or values off the CPU: the header's runs are found and listed there)
+        if contrib.finite is None and contrib.zeros == 0:
+            runs = _NO_RUNS
+        elif contrib.finite is not None or contrib.values.device.type != "cpu":
+            runs = None
+        else:
+            runs = zero_runs(contrib.values, 1, numel)
         while True:
             fmt = state.up
-            if deferred:
-                headers = _deferred_headers(contrib, 1, cap, slots=fmt == "runs", scattered=False)
+            if runs is None:
+                headers = _device_headers(contrib, 1, cap, slots=fmt == "runs", scattered=False)
             else:
                 headers = _headers(contrib, 1, cap, runs, slots=fmt == "runs")
             codec = _SIGN if fmt == "runs" else _TRIT

@@ -274,8 +274,8 @@ def _eager_contribution(state: DLionHookState, grad: Tensor, params: list, n: in
 
     Off the CPU nothing is read on the host (this runs inside backward): the finiteness flag and the
     number of zero signs stay on the device (:attr:`dlion.wire.Contribution.finite`), where the algorithm
-    completes the header that the first collective carries (:func:`dlion.wire._deferred_headers`; c's own
-    zeros make it an overflow, re-sent in base 3: the same vote), and the 1-bit payload is packed there,
+    completes the header that the first collective carries (:func:`dlion.wire._device_headers`, with c's zero
+    runs listed there as the host lists them on the CPU), and the 1-bit payload is packed there,
     as :func:`dlion.buckets.contribute` does."""
     beta1 = state.betas[0]
     with torch.no_grad():
