@@ -900,7 +900,7 @@ class _ByVoters:
         if bool((heads[:, 0] < 0).any()):
             return None
         codes = torch.zeros(blocks, self.width, dtype=torch.int16 if self.avg else torch.int8,
-                            device=gathered.device)
+                            device=g.device)  # (a Received has no device: its data has)
         for j, (n1, n3, b1, b3) in enumerate(zip(self.n1, self.n3, self.bytes1, self.bytes3)):
             body = g[j, self.head:]
             a = self.codec.decode(body[:b1], n1)
