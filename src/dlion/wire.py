@@ -896,7 +896,9 @@ class _ByVoters:
             heads, g = gathered.headers, gathered.data.view(blocks, self.block)
         else:
             g = gathered.view(blocks, self.block)
-            heads = g[:, :self.head].contiguous().view(torch.int32).cpu()
+            # (a fresh copy: with one block of a length not a multiple of 4, contiguous() keeps the row
+            # stride, which view(int32) refuses)
+            heads = g[:, :self.head].contiguous().view(-1).clone().view(torch.int32).view(blocks, -1).cpu()
         if bool((heads[:, 0] < 0).any()):
             return None
         codes = torch.zeros(blocks, self.width, dtype=torch.int16 if self.avg else torch.int8,
