@@ -55,3 +55,36 @@ def test_simulation_rejects_bad_input():
         sim.step([[torch.zeros(3)]])
     with pytest.raises(ValueError, match="gradient for parameter 0 has shape \\(4,\\), expected \\(3,\\)"):
         sim.step([[torch.zeros(4)], [torch.zeros(3)]])
+
+
+def test_one_worker_whose_codes_come_back_by_voters():
+    """world_size=1 with a parameter without gradient: the codes come back by voters (dlion.wire._ByVoters)
+    in one block whose length is not a multiple of 4, whose header is still read (a RuntimeError of
+    view(int32) before); the parameters are dlion.Lion's."""
+    import dlion
+    from dlion import wire
+    g = torch.Generator().manual_seed(3)
+    shapes = [(2000,), (7,)]
+    params0 = [torch.randn(s, generator=g) for s in shapes]
+    grads = [torch.randn(shapes[0], generator=g) for _ in range(2)]
+    blocks = []
+    decode = wire._ByVoters.decode
+
+    def spy(self, gathered):
+        blocks.append(self.block)
+        return decode(self, gathered)
+
+    wire._ByVoters.decode = spy
+    try:
+        sim = SimulatedDistributedLion([p.clone() for p in params0], 1, lr=0.01, comm="1bit", bucket_cap_mb=1.0)
+        for gr in grads:
+            sim.step([[gr, None]])
+    finally:
+        wire._ByVoters.decode = decode
+    assert blocks and all(b % 4 for b in blocks)
+    ref = [p.clone().requires_grad_() for p in params0]
+    opt = dlion.Lion(ref, lr=0.01)
+    for gr in grads:
+        ref[0].grad = gr.clone()
+        opt.step()
+    assert all(torch.equal(a, b.detach()) for a, b in zip(sim.params, ref))

@@ -806,7 +806,13 @@ class _ByVoters:
 
     When every parameter has the same number of voters (the usual case: a few coordinates
     with c = 0 by rounding, or none), each chunk's coordinates with voters are a prefix (the
-    rest is padding) and are read and written as slices, not through per-coordinate masks."""
+    rest is padding) and are read and written as slices, not through per-coordinate masks.
+
+    Off the CPU nothing here makes the host wait for the device: the per-coordinate formats (made on the
+    host from the headers' bitmaps) go to the device once, from pinned memory, as index tensors
+    (:meth:`_on`); a block's exceptions are found with ``nonzero_static`` in the list's fixed room and its
+    header is written on the device (:meth:`encode`); the received exceptions, read on the host with the
+    headers, go to the device in one copy from pinned memory (:meth:`decode`). The bytes are the host's."""
 
     def __init__(self, rule: VoteRule, per_param: Tensor, sizes: list[int], n: int, blocks: int, capacity: int):
         self.rule, self.capacity = rule, capacity
@@ -837,6 +843,33 @@ class _ByVoters:
         self.bytes3 = [_TRIT.nbytes(m + (-m) % 5) for m in self.n3]
         self.head = 4 * (1 + 2 * capacity)
         self.block = self.head + max(a + b for a, b in zip(self.bytes1, self.bytes3))
+        self._device: Optional[tuple] = None  # (device, per-chunk tensors there): :meth:`_on`
+
+    def _on(self, device: torch.device) -> list:
+        """Per chunk j, on ``device`` (mixed voter counts only): (v, one mask, indices of the 1-bit
+        coordinates, of the base-3 ones, v at the 1-bit ones) — made on the host, where the voters are
+        known, and taken to the device together in one copy from pinned memory (no host wait)."""
+        if self._device is not None and self._device[0] == device:
+            return self._device[1]
+        blocks, parts, shapes = self.v.shape[0], [], []
+        for j in range(blocks):
+            one, three = self.one[j], self.three[j]
+            for x in (self.v[j].to(torch.int64), one.to(torch.int64), one.nonzero().view(-1),
+                      three.nonzero().view(-1), self.v[j][one].to(torch.int64)):
+                parts.append(x)
+                shapes.append(x.numel())
+        flat = _host_to(torch.cat(parts), device)
+        out, at = [], 0
+        for j in range(blocks):
+            got = []
+            for i in range(5):
+                size = shapes[5 * j + i]
+                got.append(flat[at:at + size])
+                at += size
+            v, one, idx1, idx3, v1 = got
+            out.append((v.to(self.v.dtype), one.bool(), idx1, idx3, v1.to(self.v.dtype)))
+        self._device = (device, out)
+        return out
 
     def _misfits(self, codes: Tensor, j: int) -> Tensor:
         """Where chunk j's codes do not fit their coordinate's format."""
@@ -853,31 +886,40 @@ class _ByVoters:
             else:  # base 3 holds every MaVo code
                 head = torch.zeros_like(head, dtype=torch.bool)
             return torch.cat([head, tail])
-        v = self.v[j].to(codes.device)
+        if codes.device.type != "cpu":
+            v, one = self._on(codes.device)[j][:2]
+        else:
+            v, one = self.v[j], self.one[j]
         if self.avg:
             c = codes.to(torch.int32)
             return (v == 0) & (c != 0) | (v > 0) & (((c + v) % 2 != 0) | (c.abs() > v))
-        return (v == 0) & (codes != 0) | self.one[j].to(codes.device) & (codes == 0)
+        return (v == 0) & (codes != 0) | one & (codes == 0)
 
     def _parts(self, codes: Tensor, j: int) -> tuple[Tensor, Tensor, object]:
         """Chunk j's codes where 1 bit (or a count) goes, where a base-3 digit goes, and v there."""
         if self.uniform is not None:
             m = self.prefix[j]
             return codes[:m] if self.n1[j] else codes[:0], codes[:m] if self.n3[j] else codes[:0], self.uniform
-        one, three = self.one[j].to(codes.device), self.three[j].to(codes.device)
-        return codes[one], codes[three], self.v[j][self.one[j]].to(codes.device)
+        if codes.device.type != "cpu":  # (index tensors there: no boolean-mask indexing, no copy from the host)
+            _, _, idx1, idx3, v1 = self._on(codes.device)[j]
+            return codes[idx1], codes[idx3], v1
+        one, three = self.one[j], self.three[j]
+        return codes[one], codes[three], self.v[j][self.one[j]]
 
     def encode(self, codes: Tensor, j: int) -> Tensor:
-        h = torch.zeros(1 + 2 * self.capacity, dtype=torch.int32)
         bad = self._misfits(codes, j)
-        where = bad.nonzero().view(-1)
-        if where.numel() > self.capacity:
-            h[0] = -1  # every rank sees it: the codes are gathered again in a plain format
-        elif where.numel():
-            h[0] = where.numel()
-            pairs = torch.stack([where, codes[where].to(torch.int64)], 1).reshape(-1)
-            h[1:1 + pairs.numel()] = pairs.cpu().to(torch.int32)
-            codes = codes.index_fill(0, where, 0)
+        if codes.device.type != "cpu":
+            h, codes = self._device_exceptions(codes, bad)
+        else:
+            h = torch.zeros(1 + 2 * self.capacity, dtype=torch.int32)
+            where = bad.nonzero().view(-1)
+            if where.numel() > self.capacity:
+                h[0] = -1  # every rank sees it: the codes are gathered again in a plain format
+            elif where.numel():
+                h[0] = where.numel()
+                pairs = torch.stack([where, codes[where].to(torch.int64)], 1).reshape(-1)
+                h[1:1 + pairs.numel()] = pairs.cpu().to(torch.int32)
+                codes = codes.index_fill(0, where, 0)
         one, three, v1 = self._parts(codes, j)
         if self.avg:
             one = (one.to(torch.int32) + v1) // 2
@@ -889,6 +931,21 @@ class _ByVoters:
         out = torch.cat(parts)
         return torch.cat([out, out.new_zeros(self.block - out.numel())])
 
+    def _device_exceptions(self, codes: Tensor, bad: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`encode`'s exception list made on ``codes``' device with no host synchronisation: the
+        header (count, then (offset, code) pairs, zeros in the other slots; −1 and no pair where more than
+        ``capacity`` misfit) and the codes with the listed ones set to 0 — the host path's bytes. The
+        misfits are found with ``nonzero_static`` in the list's fixed room (capacity), so the host need not
+        know how many there are."""
+        count = bad.sum()  # (int64, on the device)
+        fits = count <= self.capacity
+        where = torch.nonzero_static(bad, size=self.capacity, fill_value=-1).view(-1)
+        listed = (where >= 0) & fits
+        at = where.clamp(min=0)
+        pairs = torch.stack([at, codes[at].to(torch.int64)], 1) * listed.view(-1, 1)
+        h = torch.cat([torch.where(fits, count, -1).view(1), pairs.reshape(-1)]).to(torch.int32)
+        return h, codes.masked_fill(bad & fits, 0)
+
     def decode(self, gathered: Tensor) -> Optional[Tensor]:
         """Every chunk's codes, or None when some chunk's exceptions did not fit."""
         blocks = len(self.n1)
@@ -896,11 +953,13 @@ class _ByVoters:
             heads, g = gathered.headers, gathered.data.view(blocks, self.block)
         else:
             g = gathered.view(blocks, self.block)
-            heads = g[:, :self.head].contiguous().view(torch.int32).cpu()
+            # (a fresh copy: with one block of a length not a multiple of 4, contiguous() keeps the row
+            # stride, which view(int32) refuses)
+            heads = g[:, :self.head].contiguous().view(-1).clone().view(torch.int32).view(blocks, -1).cpu()
         if bool((heads[:, 0] < 0).any()):
             return None
         codes = torch.zeros(blocks, self.width, dtype=torch.int16 if self.avg else torch.int8,
-                            device=gathered.device)
+                            device=g.device)  # (a Received has no device: its data has)
         for j, (n1, n3, b1, b3) in enumerate(zip(self.n1, self.n3, self.bytes1, self.bytes3)):
             body = g[j, self.head:]
             a = self.codec.decode(body[:b1], n1)
@@ -910,17 +969,34 @@ class _ByVoters:
                     codes[j, :m] = a * 2 - self.uniform if self.avg else a
                 if n3:
                     codes[j, :m] = _TRIT.decode(body[b1:b1 + b3], n3)
-            else:
-                one, three = self.one[j].to(codes.device), self.three[j].to(codes.device)
+            elif codes.device.type != "cpu":  # (index tensors there, :meth:`_on`)
+                _, _, idx1, idx3, v1 = self._on(codes.device)[j]
                 if self.avg:
-                    a = a * 2 - self.v[j][self.one[j]].to(a.device)
+                    a = a * 2 - v1
+                codes[j][idx1] = a.to(codes.dtype)
+                if n3:
+                    codes[j][idx3] = _TRIT.decode(body[b1:b1 + b3], n3).to(codes.dtype)
+            else:
+                one, three = self.one[j], self.three[j]
+                if self.avg:
+                    a = a * 2 - self.v[j][self.one[j]]
                 codes[j][one] = a.to(codes.dtype)
                 if n3:
                     codes[j][three] = _TRIT.decode(body[b1:b1 + b3], n3).to(codes.dtype)
+            if codes.device.type != "cpu":
+                continue  # (the exceptions of every chunk at once, below)
             count = int(heads[j, 0])
             if count:
-                pairs = heads[j, 1:1 + 2 * count].view(count, 2).to(torch.int64).to(codes.device)
+                pairs = heads[j, 1:1 + 2 * count].view(count, 2).to(torch.int64)
                 codes[j][pairs[:, 0]] = pairs[:, 1].to(codes.dtype)
+        if codes.device.type != "cpu":
+            # every chunk's exceptions (read on the host with the headers) to the device in one copy
+            # from pinned memory: (flat offset, code) pairs; chunks are disjoint, so the order is free
+            lists = [heads[j, 1:1 + 2 * int(heads[j, 0])].view(-1, 2).to(torch.int64)
+                     + torch.tensor([j * self.width, 0]) for j in range(blocks) if int(heads[j, 0])]
+            if lists:
+                pairs = _host_to(torch.cat(lists), codes.device)
+                codes.view(-1)[pairs[:, 0]] = pairs[:, 1].to(codes.dtype)
         return codes.view(-1)
 
 
