@@ -138,16 +138,12 @@ def _tie_coins_at_torch(key: int, index: Tensor) -> Tensor:
 
 
 def _ties(s: Tensor, nz: Optional[Tensor]) -> Tensor:
-    """Indices of the tied coordinates: s = 0 with at least one vote (nz None: all voted)."""
-    if s.device.type == "cpu":  # numpy's flatnonzero is several times faster than torch's nonzero here
-        tied = s.numpy() == 0
-        if nz is not None:
-            tied &= nz.numpy() > 0
-        return torch.from_numpy(np.flatnonzero(tied))
-    tied = s == 0
+    """Indices of the tied coordinates: s = 0 with at least one vote (nz None: all voted); CPU tensors
+    (numpy's flatnonzero is several times faster than torch's nonzero here)."""
+    tied = s.numpy() == 0
     if nz is not None:
-        tied &= nz > 0
-    return tied.nonzero().view(-1)
+        tied &= nz.numpy() > 0
+    return torch.from_numpy(np.flatnonzero(tied))
 
 
 @dataclass(frozen=True)
@@ -177,8 +173,15 @@ class VoteRule:
         if self.vote == "avg":
             return s.to(torch.int16)
         code = torch.sign(s).to(torch.int8)
+        if self.ties != "zero" and s.device.type != "cpu":
+            # every coordinate's coin, kept where tied: finding the ties would make the host wait
+            tied = s == 0
+            if nz is not None:
+                tied &= nz > 0
+            at = torch.arange(start, start + s.numel(), device=s.device) if index is None else index.to(s.device)
+            return torch.where(tied, self.tie_codes_torch(key, at, previous), code)
         if self.ties != "zero":
-            where = _ties(s, nz)  # hash only the ties' coordinates
+            where = _ties(s, nz)  # hash only the ties' coordinates (on the CPU: cheaper than every coin)
             if where.numel():
                 at = where + start if index is None else index.to(s.device)[where]
                 code[where] = self.tie_codes(key, at, previous)
