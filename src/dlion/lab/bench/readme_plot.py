@@ -21,8 +21,8 @@ writes to ``--out``:
     python -m dlion.lab.bench.readme_plot --out docs/results/readme
 
 Default panels: this host (``docs/results/ttq-peers-ov``, step times of ``e2e-peers-ov``) and
-the emulated host 16× faster at compute (``docs/results/ttq-local-x16``, step times of
-``e2e-local-x16``), paths relative to ``--results``.
+the emulated host 16× faster at compute (``docs/results/ttq-heldout-x16``: the lrs of the held-out
+rule, step times of ``e2e-local-x16``), paths relative to ``--results``.
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ PANELS = (
         ("d-mavo-1bit-ov-rt", "D-Lion MaVo", "ttq-peers-ov/dlion-seed{}/ttq_results.json", range(5)),
     ]),
     ("x16", "emulated host 16× faster at compute", "e2e-local-x16/e2e_results.json", [
-        ("g-adamw-powersgd4-ov", "PowerSGD rank 4 + AdamW", "ttq-local-x16/psgd4-seed{}/ttq_results.json", range(5)),
-        ("d-mavo-1bit-ov-rt", "D-Lion MaVo", "ttq-local-x16/dlion-seed{}/ttq_results.json", range(5)),
-        ("d-local-mavo", "Local D-Lion MaVo, H = 10", "ttq-local-x16/dlocal-seed{}/ttq_results.json", range(4)),
-        ("diloco-adamw", "DiLoCo AdamW, H = 10", "ttq-local-x16/diloco-seed{}/ttq_results.json", range(1)),
+        ("g-adamw-powersgd4-ov", "PowerSGD rank 4 + AdamW", "ttq-heldout-x16/psgd4-seed{}/ttq_results.json", range(5)),
+        ("d-mavo-1bit-ov-rt", "D-Lion MaVo", "ttq-heldout-x16/dlion-seed{}/ttq_results.json", range(5)),
+        ("d-local-mavo", "Local D-Lion MaVo, H = 10", "ttq-heldout-x16/dlocal-seed{}/ttq_results.json", range(4)),
+        ("diloco-adamw", "DiLoCo AdamW, H = 10", "ttq-heldout-x16/diloco-seed{}/ttq_results.json", range(1)),
     ]),
 )
 #: the `--fused` e2e runs (6 MB buckets, every optimizer fused) since the packed vote that have both
