@@ -167,12 +167,12 @@ def test_time_to_target_uses_the_mean_step_time_where_the_e2e_result_has_it(tmp_
                                                   "median")
 
 
-def _seed_doc(seed, rows, target=2.1, lr=2e-4, warmup=0.05):
+def _seed_doc(seed, rows, target=2.1, lr=2e-4, warmup=0.05, steps=1000):
     """A composed ttq result: rows = {method: (steps or None, final loss, {link: seconds})}."""
     return {"benchmark": "dlion bench ttq", "workers": 4, "step_times_ms": {"x": {"1gbit": 1.0}},
             "config": {"seed": seed, "n_layer": 6, "n_embd": 256, "n_head": 4, "block_size": 64, "batch_size": 4,
                        "bucket_mb": 6.0, "lr": lr, "weight_decay": 0.1, "ties": "zero", "quant_bits": 8,
-                       "steps": 1000, "warmup_frac": warmup},
+                       "steps": steps, "warmup_frac": warmup},
             "composed": {"target_loss": target, "methods": {
                 m: {"steps_to_target": s, "final_loss": f, "best_loss": f,
                     "time_to_target_s": {k: (None if s is None else t) for k, t in times.items()}}
@@ -240,8 +240,24 @@ def test_across_seeds_keeps_methods_run_at_different_lr_apart(capsys):
         ttq_seeds.summarize(docs + [_seed_doc(1, {"d-mavo-1bit-ov": (650, 2.0, {"1gbit": 13.0})}, lr=4e-4)])
 
 
+def test_across_seeds_keeps_methods_run_at_different_warmup_apart():
+    """A method at the warm-up a tuning rule chose for it beside others at theirs: one row per (method, lr,
+    warm-up), every key naming both once the warm-ups differ."""
+    from dlion.lab.bench import ttq_seeds
+
+    base = {"g-lion": (500, 1.9, {"1gbit": 10.0})}
+    docs = [_seed_doc(0, base, warmup=0.3), _seed_doc(1, base, warmup=0.3),
+            _seed_doc(0, {"g-adamw-powersgd4": (450, 2.0, {"1gbit": 9.0})}, lr=1e-4, warmup=0.1),
+            _seed_doc(1, {"g-adamw-powersgd4": (None, 2.2, {"1gbit": 0.0})}, lr=1e-4, warmup=0.1)]
+    s = ttq_seeds.summarize(docs)
+    assert list(s["methods"]) == ["g-lion@lr=0.0002,warmup=0.3", "g-adamw-powersgd4@lr=0.0001,warmup=0.1"]
+    assert s["methods"]["g-adamw-powersgd4@lr=0.0001,warmup=0.1"]["steps_to_target"] == [450, None]
+    assert s["first"]["1gbit"] == ["g-adamw-powersgd4@lr=0.0001,warmup=0.1", "g-lion@lr=0.0002,warmup=0.3"]
+    assert "(lr 0.0001, warm-up 0.1): steps to L 450 / never; reached in 1 of 2" in ttq_seeds.table(s)
+
+
 @pytest.mark.parametrize("change, message", [
-    (dict(target=2.0), "targets differ"), (dict(seed=0), "seeds repeat"), (dict(warmup=0.2), "warmup_frac")])
+    (dict(target=2.0), "targets differ"), (dict(seed=0), "seeds repeat"), (dict(steps=2000), "steps")])
 def test_across_seeds_refuses_runs_that_are_not_one_experiment(change, message):
     from dlion.lab.bench import ttq_seeds
 

@@ -6,9 +6,10 @@ L and step-time file, which it checks — and reports per method: steps to L and
 at each link rate for every seed ("never" where L was not reached), the mean time over
 the seeds that reached L, and per rate which method was first in each seed.
 
-Runs may also differ in ``--lr`` (each method at the lr tuned for it): a seed can then
-come in several files, and every (method, lr) is a row of its own, e.g.
-``d-mavo-1bit-ov-rt@lr=0.0004``. A (method, lr) given twice for one seed is refused.
+Runs may also differ in ``--lr`` and ``--warmup-frac`` (each method at the settings tuned for
+it): a seed can then come in several files, and every (method, lr) is a row of its own, e.g.
+``d-mavo-1bit-ov-rt@lr=0.0004`` (``…@lr=0.0001,warmup=0.1`` where the warm-ups differ). A
+(method, settings) given twice for one seed is refused.
 
 Output in ``--out``: ``ttq_seeds.json``, ``ttq_seeds.txt`` and ``ttq_seeds.png`` (per link
 rate, each seed's time to L per method; "never" at the right edge).
@@ -25,9 +26,9 @@ from dlion.lab.cluster import rate_key
 
 from .e2e.methods import takes_ties
 
-#: what the runs must share (besides the seed and the lr) to be compared
+#: what the runs must share (besides the seed, the lr and the warm-up) to be compared
 SHARED = ("n_layer", "n_embd", "n_head", "block_size", "batch_size", "bucket_mb", "weight_decay", "betas",
-          "ties", "quant_bits", "steps", "warmup_frac")
+          "ties", "quant_bits", "steps")
 
 
 #: settings that results written before they were recorded had at these values
@@ -61,12 +62,15 @@ def summarize(docs: list[dict]) -> dict:
         if d.get("step_times_ms") != ref.get("step_times_ms"):
             raise ValueError("the runs were composed with different step times (use one --step-times file)")
     seeds = list(dict.fromkeys(d["config"].get("seed") for d in docs))
-    by_lr = len({_setting(d, "lr") for d in docs}) > 1
+    by_warmup = len({_setting(d, "warmup_frac") for d in docs}) > 1
+    by_lr = by_warmup or len({_setting(d, "lr") for d in docs}) > 1
     rows_of: dict = {}  # (method key) -> {seed index: composed row}
     for d in docs:
         i = seeds.index(d["config"].get("seed"))
         for m, row in d["composed"]["methods"].items():
             key = f"{m}@lr={_setting(d, 'lr'):g}" if by_lr else m
+            if by_warmup:
+                key += f",warmup={_setting(d, 'warmup_frac'):g}"
             if i in rows_of.setdefault(key, {}):
                 raise ValueError(f"seed {seeds[i]} has {key} in two files (seeds repeat)")
             rows_of[key][i] = row
@@ -100,11 +104,12 @@ def summarize(docs: list[dict]) -> dict:
 
 
 def label(key: str) -> str:
-    """A row's label: the method's, with its lr where the runs differ in lr."""
+    """A row's label: the method's, with its lr (and warm-up) where the runs differ in them."""
     from .e2e.methods import label as method_label
 
     m, _, lr = key.partition("@lr=")
-    return method_label(m) + (f" (lr {lr})" if lr else "")
+    lr, _, warmup = lr.partition(",warmup=")
+    return method_label(m) + (f" (lr {lr}" + (f", warm-up {warmup}" if warmup else "") + ")" if lr else "")
 
 
 def table(s: dict) -> str:
