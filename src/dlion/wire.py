@@ -283,7 +283,7 @@ def _device_headers(contrib: Contribution, blocks: int, capacity: int, slots: bo
     host = _headers(contrib, blocks, capacity, _NO_RUNS, slots)
     host[:, 0] = contrib.status  # (without the _FITS of no runs: set below)
     values = contrib.values
-    h = host.pin_memory().to(values.device, non_blocking=True) if values.device.type != "cpu" else host
+    h = _host_to(host, values.device)
     counts, table = device_runs(values, blocks, contrib.numel, capacity)
     most = counts.max()
     runs, over = most > 0, most > capacity
@@ -435,8 +435,8 @@ def _blocks(headers: Tensor, payload: Tensor, blocks: int) -> Tensor:
     p = payload.view(blocks, -1)
     pad = (-p.shape[1]) % 4
     h = headers.view(torch.uint8).view(blocks, -1)
-    if p.device.type == "cuda" and h.device.type == "cpu":  # from pinned memory, asynchronously: a copy from
-        h = h.pin_memory().to(p.device, non_blocking=True)         # pageable memory waits for the GPU
+    if h.device.type == "cpu":
+        h = _host_to(h, p.device)
     parts = [h.to(p.device), p]
     if pad:
         parts.append(p.new_zeros(blocks, pad))
@@ -1086,10 +1086,7 @@ def _fields(contrib: Contribution, abstains, like: Tensor) -> Tensor:
 def _to_device(host: Tensor, like: Tensor) -> Tensor:
     """A small host tensor in ``like``'s dtype on its device; off the CPU from pinned memory, asynchronously
     (a copy from pageable memory waits for the device)."""
-    host = host.to(like.dtype)
-    if like.device.type != "cpu":
-        return host.pin_memory().to(like.device, non_blocking=True)
-    return host
+    return _host_to(host.to(like.dtype), like.device)
 
 
 def _counter_wire(n: int, k: int, width: int) -> list[tuple[str, int]]:
