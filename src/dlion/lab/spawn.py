@@ -31,6 +31,10 @@ def _entry(rank: int, fn: Callable, world_size: int, store_path: str, timeout_s:
         buf = io.BytesIO()
         torch.save(out, buf)
         results.put((rank, buf.getvalue()))
+        # Leave together: a rank that returned at once would close its sockets while a peer is
+        # still connecting a group it made (Gloo: "connectFullMesh ... Connection closed by peer").
+        if dist.is_initialized():
+            dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -50,6 +50,7 @@ def env_worker(fn: Callable, *args, timeout_s: Optional[float] = None) -> NoRetu
     dist.init_process_group("gloo", **kwargs)
     try:
         fn(dist.get_rank(), dist.get_world_size(), *args, print_emit)
+        dist.barrier()  # leave together, as dlion.lab.spawn's workers do
     finally:
         dist.destroy_process_group()
     sys.stdout.flush()
