@@ -221,14 +221,16 @@ def zero_runs(values: Tensor, rows: int, numel: int) -> tuple[Tensor, Tensor, Te
 _NO_RUNS = (torch.zeros(0, dtype=torch.int64),) * 3
 
 
-def _run_edges(values: Tensor, rows: int, numel: int) -> tuple[Tensor, Tensor]:
-    """(rows, width) bool masks of the first and of the last zero of every run of 0 in values[:numel]."""
+def _run_edges(values: Tensor, rows: int, numel: int, lasts: bool = True) -> tuple[Tensor, Optional[Tensor]]:
+    """(rows, width) bool masks of the first and (``lasts``) of the last zero of every run of 0 in
+    values[:numel]; None in place of the second without ``lasts``."""
     zero = values == 0
     if numel < values.numel():
         zero[max(0, numel):] = False  # padding is not a run
     zero = zero.view(rows, -1)
     edge = torch.zeros(rows, 1, dtype=torch.bool, device=values.device)  # a run never crosses a row
-    return zero & ~torch.cat([edge, zero[:, :-1]], 1), zero & ~torch.cat([zero[:, 1:], edge], 1)
+    firsts = zero & ~torch.cat([edge, zero[:, :-1]], 1)
+    return firsts, (zero & ~torch.cat([zero[:, 1:], edge], 1)) if lasts else None
 
 
 def device_runs(values: Tensor, rows: int, numel: int, capacity: int) -> tuple[Tensor, Tensor]:
@@ -625,7 +627,7 @@ class Algorithm:
     @staticmethod
     def _runs_fit(codes: Tensor, blocks: int, numel: int, capacity: int) -> bool:
         if codes.device.type != "cpu":  # counted on the device: one read of the answer
-            return bool(_run_edges(codes, blocks, numel)[0].sum(1).max() <= capacity // 2)
+            return bool(_run_edges(codes, blocks, numel, lasts=False)[0].sum(1).max() <= capacity // 2)
         rows, _, _ = zero_runs(codes, blocks, numel)
         return rows.numel() == 0 or int(torch.bincount(rows, minlength=blocks).max()) <= capacity // 2
 
