@@ -20,9 +20,10 @@ writes to ``--out``:
 
     python -m dlion.lab.bench.readme_plot --out docs/results/readme
 
-Default panels: this host (``docs/results/ttq-peers-ov``, step times of ``e2e-peers-ov``) and
-the emulated host 16× faster at compute (``docs/results/ttq-heldout-x16``: the lrs of the held-out
-rule, step times of ``e2e-local-x16``), paths relative to ``--results``.
+Default panels, each method at the settings of the held-out rule except G-Lion (kept at its
+stronger 30 % warm-up): this host (``docs/results/ttq-peers-ov`` and ``ttq-heldout/composed-*``,
+step times of ``e2e-peers-ov``) and the emulated host 16× faster at compute
+(``docs/results/ttq-heldout-x16``, step times of ``e2e-local-x16``), paths relative to ``--results``.
 """
 
 from __future__ import annotations
@@ -40,13 +41,14 @@ from .ttq_seeds import summarize
 PANELS = (
     ("this-host", "this host: 4 ranks on 2 CPU cores", "e2e-peers-ov/e2e_results.json", [
         ("g-lion", "G-Lion (DDP, fp32 gradients)", "ttq-peers-ov/glion-seed{}/ttq_results.json", range(5)),
-        ("g-adamw-powersgd4-ov", "PowerSGD rank 4 + AdamW", "ttq-peers-ov/psgd4-seed{}/ttq_results.json", range(5)),
+        ("g-adamw-powersgd4-ov", "PowerSGD rank 4 + AdamW", "ttq-heldout/composed-psgd4-w0.1-seed{}/ttq_results.json",
+         range(5)),
         ("d-mavo-1bit-ov-rt", "D-Lion MaVo", "ttq-peers-ov/dlion-seed{}/ttq_results.json", range(5)),
     ]),
     ("x16", "emulated host 16× faster at compute", "e2e-local-x16/e2e_results.json", [
-        ("g-adamw-powersgd4-ov", "PowerSGD rank 4 + AdamW", "ttq-heldout-x16/psgd4-seed{}/ttq_results.json", range(5)),
+        ("g-adamw-powersgd4-ov", "PowerSGD rank 4 + AdamW", "ttq-heldout-x16/psgd4-w0.1-seed{}/ttq_results.json", range(5)),
         ("d-mavo-1bit-ov-rt", "D-Lion MaVo", "ttq-heldout-x16/dlion-seed{}/ttq_results.json", range(5)),
-        ("d-local-mavo", "Local D-Lion MaVo, H = 10", "ttq-heldout-x16/dlocal-seed{}/ttq_results.json", range(4)),
+        ("d-local-mavo", "Local D-Lion MaVo, H = 10", "ttq-heldout-x16/dlocal-seed{}/ttq_results.json", range(5)),
         ("diloco-adamw", "DiLoCo AdamW, H = 10", "ttq-heldout-x16/diloco-seed{}/ttq_results.json", range(1)),
     ]),
 )
