@@ -437,9 +437,8 @@ def _blocks(headers: Tensor, payload: Tensor, blocks: int) -> Tensor:
     p = payload.view(blocks, -1)
     pad = (-p.shape[1]) % 4
     h = headers.view(torch.uint8).view(blocks, -1)
-    if h.device.type == "cpu":
-        h = _host_to(h, p.device)
-    parts = [h.to(p.device), p]
+    h = _host_to(h, p.device) if h.device.type == "cpu" else h.to(p.device)
+    parts = [h, p]
     if pad:
         parts.append(p.new_zeros(blocks, pad))
     return torch.cat(parts, dim=1).reshape(-1)
