@@ -422,3 +422,24 @@ def test_across_compares_ties_only_between_runs_whose_methods_take_them():
     plain = [_seed_doc(k, {"d-mavo-1bit-ov": (600, 2.0, {"50mbit": 30.0})}) for k in (0, 1)]  # ties: --ties
     with pytest.raises(ValueError, match="ties"):
         ttq_seeds.summarize([*plain, local])
+
+
+def test_ttq_sync_warmup_syncs_the_first_steps_and_is_not_composed_with_one_step_time(tmp_path):
+    """--sync-warmup 2, H = 3: rounds end at steps 1, 2, 5, so the anchor at step 2 has moved (it has
+    not without the warm-up, above); one measured step time per method cannot time both phases."""
+    rc = ttq.main(["--workers", "2", "--methods", "d-local-mavo", "--sync-every", "3", "--sync-warmup", "2",
+                   "--steps", "6", "--eval-every", "2", "--eval-batches", "1", "--n-layer", "1", "--n-embd", "32",
+                   "--n-head", "1", "--block-size", "16", "--target", "9.0", "--no-progress", "--out", str(tmp_path)])
+    assert rc == 0
+    doc = json.loads((tmp_path / "ttq_results.json").read_text())
+    assert doc["config"]["sync_warmup"] == 2
+    c = dict(doc["curves"]["d-local-mavo"])
+    assert c[2] != c[0] and c[4] == c[2] != c[6]  # no round ends at steps 3, 4; one at 5
+    cfg = {**{k: 1 for k in ttq.MODEL_KEYS}, "sync_every": 3}
+    e2e = {"config": cfg, "workers": 4,
+           "results": [{"method": "d-local-mavo", "link": "50mbit", "ms_per_step": 20.0, "ms_mean": 20.0}]}
+    path = tmp_path / "e2e_results.json"
+    path.write_text(json.dumps(e2e))
+    with pytest.raises(SystemExit, match="--sync-warmup 2"):
+        ttq._step_times(str(path), {**cfg, "sync_warmup": 2, "methods": ["d-local-mavo"]}, 4)
+    assert ttq._step_times(str(path), {**cfg, "methods": ["d-local-mavo"]}, 4)[0] == {"d-local-mavo": {"50mbit": 20.0}}

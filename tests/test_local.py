@@ -34,9 +34,15 @@ def worker_grads(i, t, dense=False, batches=None, missing=()):
     return grads_for(i, t, dense)
 
 
-def reference(world, steps, H, vote="mavo", ef=True, alpha=1.0, dense=False, batches=None, missing=()):
+def ends_round(n, H, warmup=0):
+    """Step n (counted from 1) ends a round: each of the first ``warmup`` steps does, then every H-th."""
+    return n <= warmup or (n - warmup) % H == 0
+
+
+def reference(world, steps, H, vote="mavo", ef=True, alpha=1.0, dense=False, batches=None, missing=(), warmup=0):
     """Every worker's local parameters after each step, and the anchor after each sync; worker i has
-    no gradient at all from step batches[i] on (``batches``) and at the steps (i, t) in ``missing``."""
+    no gradient at all from step batches[i] on (``batches``) and at the steps (i, t) in ``missing``;
+    the first ``warmup`` steps each end a round."""
     x0 = init_params(0)  # rank 0's: the optimizer broadcasts them
     anchor = [p.clone() for p in x0]
     xs = [[p.clone() for p in x0] for _ in range(world)]
@@ -52,7 +58,7 @@ def reference(world, steps, H, vote="mavo", ef=True, alpha=1.0, dense=False, bat
                 if g is not None:
                     xs[i][j], ms[i][j] = lion_literal(xs[i][j], ms[i][j], g, LR, BETAS, WD)
                     touched[i][j] = True
-        if (t + 1) % H:
+        if not ends_round(t + 1, H, warmup):
             continue
         eta = alpha * S
         for j in range(len(x0)):
@@ -73,7 +79,7 @@ def reference(world, steps, H, vote="mavo", ef=True, alpha=1.0, dense=False, bat
     return anchors, xs
 
 
-def reference_streaming(world, steps, H, vote="mavo", ef=True, alpha=1.0, batches=None):
+def reference_streaming(world, steps, H, vote="mavo", ef=True, alpha=1.0, batches=None, warmup=0):
     """Streaming: round r's vote is applied at the end of round r + 1, replacing each worker's own
     progress of round r; returns the anchor after each round's end and every worker's parameters
     at the end (before any flush)."""
@@ -93,7 +99,7 @@ def reference_streaming(world, steps, H, vote="mavo", ef=True, alpha=1.0, batche
                 if g is not None:
                     xs[i][j], ms[i][j] = lion_literal(xs[i][j], ms[i][j], g, LR, BETAS, WD)
                     touched[i][j] = True
-        if (t + 1) % H:
+        if not ends_round(t + 1, H, warmup):
             continue
         ds = [[starts[i][j] - xs[i][j] for j in range(len(x0))] for i in range(world)]
         if pending is not None:  # the round in flight: the agreed step replaces each worker's own
@@ -127,7 +133,7 @@ def local_worker(rank, world, configs):
     for cfg in configs:
         params = [p.requires_grad_() for p in init_params(rank)]
         opt = dlion.LocalDistributedLion(params, lr=LR, betas=BETAS, weight_decay=WD, sync_every=cfg["H"],
-                                         streaming=cfg.get("streaming", False),
+                                         sync_warmup=cfg.get("W", 0), streaming=cfg.get("streaming", False),
                                          vote=cfg.get("vote", "mavo"), ties=cfg.get("ties", "zero"),
                                          comm=cfg.get("comm", "1bit"), error_feedback=cfg.get("ef", True),
                                          outer_scale=cfg.get("alpha", 1.0), seed=3,
@@ -137,7 +143,7 @@ def local_worker(rank, world, configs):
             for p, g in zip(params, grads_for(rank, t, cfg.get("dense", False))):
                 p.grad = g
             opt.step()
-            if opt.step_count % cfg["H"] == 0:
+            if ends_round(opt.step_count, cfg["H"], cfg.get("W", 0)):
                 if cfg.get("streaming"):
                     with opt.anchored():
                         synced[opt.step_count] = [p.detach().clone() for p in params]
@@ -149,19 +155,20 @@ def local_worker(rank, world, configs):
 
 
 CASES = [dict(H=3, steps=8), dict(H=1, steps=3), dict(H=3, steps=7, vote="avg"), dict(H=2, steps=5, ef=False),
-         dict(H=3, steps=6, alpha=0.5, comm="allgather"), dict(H=4, steps=8, bucket_cap_mb=0.01)]
+         dict(H=3, steps=6, alpha=0.5, comm="allgather"), dict(H=4, steps=8, bucket_cap_mb=0.01),
+         dict(H=3, steps=9, W=2)]  # rounds end at steps 1, 2, 5, 8; step 9 is an unfinished round
 
 
 @pytest.mark.parametrize("world", [3, 4, 5])
 def test_equals_the_literal_reference_after_every_sync(world):
     """N = 3, 4, 5 (odd and even: ties give 0), H = 1 and H > 1, MaVo and Avg, with and without
     error feedback, abstentions (a parameter with no gradient on odd ranks, one with none anywhere),
-    several buckets: the anchor after every sync equals the reference bitwise on every rank, and
+    several buckets, a warm-up of rounds of one step (``sync_warmup``): the anchor after every sync equals the reference bitwise on every rank, and
     each rank's local parameters after an unfinished round equal that worker's reference."""
     results = spawn(local_worker, world, CASES)
     for c, cfg in enumerate(CASES):
         anchors, xs = reference(world, cfg["steps"], cfg["H"], cfg.get("vote", "mavo"), cfg.get("ef", True),
-                                cfg.get("alpha", 1.0))
+                                cfg.get("alpha", 1.0), warmup=cfg.get("W", 0))
         assert sorted(anchors) == sorted(results[0][c]["synced"]), cfg
         for rank, res in enumerate(results):
             r = res[c]
@@ -174,7 +181,7 @@ def test_equals_the_literal_reference_after_every_sync(world):
 
 
 STREAMING = [dict(H=3, steps=11, streaming=True), dict(H=1, steps=4, streaming=True),
-             dict(H=2, steps=8, streaming=True, ef=False, bucket_cap_mb=0.01)]
+             dict(H=2, steps=8, streaming=True, ef=False, bucket_cap_mb=0.01), dict(H=3, steps=10, streaming=True, W=3)]
 
 
 @pytest.mark.parametrize("world", [3, 4])
@@ -184,7 +191,7 @@ def test_streaming_equals_its_literal_reference(world):
     parameters at the end equal the reference bitwise on every rank."""
     results = spawn(local_worker, world, STREAMING)
     for c, cfg in enumerate(STREAMING):
-        anchors, xs = reference_streaming(world, cfg["steps"], cfg["H"], ef=cfg.get("ef", True))
+        anchors, xs = reference_streaming(world, cfg["steps"], cfg["H"], ef=cfg.get("ef", True), warmup=cfg.get("W", 0))
         for rank, res in enumerate(results):
             r = res[c]
             for t, want in anchors.items():
@@ -304,6 +311,7 @@ def test_streaming_checkpoint_with_a_round_in_flight_resumes_bitwise(tmp_path):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(sync_every=0), "sync_every"), (dict(sync_every=2.0), "sync_every"), (dict(outer_scale=0), "outer_scale"),
     (dict(outer_scale=float("inf")), "outer_scale"), (dict(error_feedback=1), "error_feedback"),
+    (dict(sync_warmup=-1), "sync_warmup"), (dict(sync_warmup=2.0), "sync_warmup"),
 ])
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -85,6 +85,11 @@ class LocalDistributedLion(DistributedLion):
     Args (beyond those of :class:`dlion.Lion`):
         sync_every: H, the local steps per round (1: every step, yet not every-step D-Lion:
             the vote is on the progress of one step, weight decay included).
+        sync_warmup: the first ``sync_warmup`` steps each end a round (H = 1), then rounds of H:
+            local steps only after the early phase, as post-local SGD (Lin et al. 2020, arXiv
+            1808.07217; PyTorch's ``PostLocalSGDState(start_localSGD_iter=...)``). Early on each
+            rank's small-batch Lion can stall where the mean of the ranks' gradients does not
+            (docs/benchmarks.md, "Talking every H steps"); each of these steps costs one exchange.
         outer_scale: α, the outer step is α·S·Δ with S the round's summed lr.
         error_feedback: carry what the sign dropped into the next round (module docstring).
         streaming: exchange each round's vote behind the next round and apply it one round later.
@@ -116,6 +121,7 @@ class LocalDistributedLion(DistributedLion):
         self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0,
         *,
         sync_every: int = 10,
+        sync_warmup: int = 0,
         outer_scale: float = 1.0,
         error_feedback: bool = True,
         streaming: bool = False,
@@ -128,6 +134,8 @@ class LocalDistributedLion(DistributedLion):
                 raise TypeError(f"LocalDistributedLion got an unexpected keyword argument {name!r}")
         if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
             raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
+        if not isinstance(sync_warmup, int) or isinstance(sync_warmup, bool) or sync_warmup < 0:
+            raise ValueError(f"sync_warmup must be an int >= 0, got {sync_warmup!r}")
         if (not isinstance(outer_scale, (int, float)) or isinstance(outer_scale, bool)
                 or not 0.0 < float(outer_scale) < float("inf")):
             raise ValueError(f"outer_scale must be a number > 0, got {outer_scale!r}")
@@ -136,6 +144,7 @@ class LocalDistributedLion(DistributedLion):
         if not isinstance(streaming, bool):
             raise ValueError(f"streaming must be True or False, got {streaming!r}")
         self.sync_every, self.outer_scale, self.error_feedback = sync_every, float(outer_scale), error_feedback
+        self.sync_warmup = sync_warmup
         self.streaming = streaming  # (read by DistributedLion.__init__: the exchange gets a thread and a group)
         super().__init__(params, lr, betas, weight_decay, **options)
         #: per parameter group: S, the lr summed over the round's steps so far
@@ -162,7 +171,8 @@ class LocalDistributedLion(DistributedLion):
     _bucket_record = LocalBucket
 
     def _options(self) -> dict:
-        return {**super()._options(), "sync_every": self.sync_every, "outer_scale": self.outer_scale,
+        return {**super()._options(), "sync_every": self.sync_every, "sync_warmup": self.sync_warmup,
+                "outer_scale": self.outer_scale,
                 "error_feedback": self.error_feedback, "streaming": self.streaming}
 
     def _accepts_kind(self, kind: str) -> bool:
@@ -170,6 +180,15 @@ class LocalDistributedLion(DistributedLion):
 
     def _count_step(self) -> None:
         """The sync does not count a step: every local step already did (:meth:`_tick`)."""
+
+    def _rounds_done(self) -> int:
+        """Rounds ended after ``step_count`` steps: one per step of the warm-up, then one per H."""
+        n, w = self.step_count, self.sync_warmup
+        return n if n <= w else w + (n - w) // self.sync_every
+
+    def _round_ends(self) -> bool:
+        n, w = self.step_count, self.sync_warmup
+        return n <= w or (n - w) % self.sync_every == 0
 
     def _tick(self) -> None:
         self.step_count += 1
@@ -303,7 +322,7 @@ class LocalDistributedLion(DistributedLion):
         self._check_frozen()
         self._inner_step(skip=skip)
         self._tick()
-        if self.step_count % self.sync_every == 0:
+        if self._round_ends():
             self._end_round()
         if joined is not None:
             joined.wait()
@@ -314,7 +333,7 @@ class LocalDistributedLion(DistributedLion):
             self._stream_round()
         else:
             self._sync_round()
-        if self.check_every and (self.step_count // self.sync_every) % self.check_every == 0:
+        if self.check_every and self._rounds_done() % self.check_every == 0:
             self.check_replicas()
 
     def _reset_round(self) -> None:
@@ -445,7 +464,8 @@ class LocalDistributedLion(DistributedLion):
                 for j, p in enumerate(b.params):
                     local = held[k][j] if held is not None else p.detach()
                     sd["state"].setdefault(ids[id(p)], {})["local_param"] = local.clone()
-            sd["dlion"]["local"] = {"sync_every": self.sync_every, "round_lr": list(self._round_lr),
+            sd["dlion"]["local"] = {"sync_every": self.sync_every, "sync_warmup": self.sync_warmup,
+                                    "round_lr": list(self._round_lr),
                                     "flight_lr": list(self._flight_lr), "streaming": self.streaming,
                                     "touched": [list(s.touched) for s in self._slots],
                                     "round_nonfinite": self._round_nonfinite}

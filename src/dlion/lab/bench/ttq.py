@@ -305,6 +305,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--ties", default="zero", choices=("zero", "random", "previous"))
     ap.add_argument("--sync-every", type=int, default=10, metavar="H",
                     help="local steps per sync of d-local-* and diloco-* (default 10; --step-times must have it too)")
+    ap.add_argument("--sync-warmup", type=int, default=0, metavar="K",
+                    help="d-local-*: the first K steps each end a round (LocalDistributedLion(sync_warmup=K)); "
+                         "such curves are not composed with --step-times (one step time cannot cover both phases)")
     ap.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer Nesterov SGD lr (default 0.7)")
     ap.add_argument("--quant-bits", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
@@ -356,6 +359,10 @@ def _step_times(path: str, cfg: dict, workers: int) -> tuple[dict, str]:
 
     # the step time of a method talking every H steps is the mean over whole rounds of that H
     local = sorted({r["method"] for r in doc["results"]} & set(cfg.get("methods", ())) & set(SYNC_EVERY))
+    if local and cfg.get("sync_warmup", 0) and any(m.startswith("d-local") for m in local):
+        raise SystemExit(f"dlion bench ttq: these curves were trained with --sync-warmup {cfg['sync_warmup']}: "
+                         f"their first {cfg['sync_warmup']} steps sync every step and the rest every "
+                         f"{cfg.get('sync_every', 10)}, which one measured step time per method does not cover")
     if local and other.get("sync_every") != cfg.get("sync_every", 10):
         raise SystemExit(f"dlion bench ttq: {path} measured {', '.join(local)} with --sync-every "
                          f"{other.get('sync_every')}, not {cfg.get('sync_every', 10)}: their step times depend on H; "
@@ -435,6 +442,8 @@ def main(argv: list[str]) -> int:
     from .e2e.methods import methods_from_args
 
     methods = methods_from_args(ap, args)
+    if args.sync_warmup < 0:
+        ap.error(f"--sync-warmup must be >= 0, got {args.sync_warmup}")
     if "g-lion" not in methods and args.target is None:
         methods = ["g-lion"] + methods  # the reference that defines L (with --target, only if asked for)
     cfg = {"n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head, "block_size": args.block_size,
@@ -444,7 +453,7 @@ def main(argv: list[str]) -> int:
            "steps": args.steps, "eval_every": args.eval_every, "eval_batches": args.eval_batches,
            "warmup_frac": args.warmup_frac, "methods": methods, "timeout": args.timeout, "synthetic": False,
            "sequential": True, "warmup": 0, "per_node": args.per_node, "sync_every": args.sync_every,
-           "outer_lr": args.outer_lr,
+           "sync_warmup": args.sync_warmup, "outer_lr": args.outer_lr,
            "nodes": args.workers // args.per_node if args.per_node else 0}
     if args.curves and args.extend:
         ap.error("--extend trains and merges; --curves only re-composes: give one of them")
