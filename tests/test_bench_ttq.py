@@ -442,4 +442,6 @@ def test_ttq_sync_warmup_syncs_the_first_steps_and_is_not_composed_with_one_step
     path.write_text(json.dumps(e2e))
     with pytest.raises(SystemExit, match="--sync-warmup 2"):
         ttq._step_times(str(path), {**cfg, "sync_warmup": 2, "methods": ["d-local-mavo"]}, 4)
+    with pytest.raises(SystemExit, match="--abstain-below 0.5"):  # (abstentions change the bytes)
+        ttq._step_times(str(path), {**cfg, "abstain_below": 0.5, "methods": ["d-local-mavo"]}, 4)
     assert ttq._step_times(str(path), {**cfg, "methods": ["d-local-mavo"]}, 4)[0] == {"d-local-mavo": {"50mbit": 20.0}}

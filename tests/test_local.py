@@ -39,10 +39,16 @@ def ends_round(n, H, warmup=0):
     return n <= warmup or (n - warmup) % H == 0
 
 
-def reference(world, steps, H, vote="mavo", ef=True, alpha=1.0, dense=False, batches=None, missing=(), warmup=0):
+def kept(c, tau, S):
+    """sign(c), and 0 (abstain) where |c| < tau·S."""
+    return torch.sign(c) * (c.abs() >= tau * S)
+
+
+def reference(world, steps, H, vote="mavo", ef=True, alpha=1.0, dense=False, batches=None, missing=(), warmup=0,
+              tau=0.0):
     """Every worker's local parameters after each step, and the anchor after each sync; worker i has
     no gradient at all from step batches[i] on (``batches``) and at the steps (i, t) in ``missing``;
-    the first ``warmup`` steps each end a round."""
+    the first ``warmup`` steps each end a round; a worker abstains where |c| < tau·S."""
     x0 = init_params(0)  # rank 0's: the optimizer broadcasts them
     anchor = [p.clone() for p in x0]
     xs = [[p.clone() for p in x0] for _ in range(world)]
@@ -63,7 +69,7 @@ def reference(world, steps, H, vote="mavo", ef=True, alpha=1.0, dense=False, bat
         eta = alpha * S
         for j in range(len(x0)):
             cs = [(anchor[j] - xs[i][j]) + (es[i][j] if ef else 0) for i in range(world)]
-            signs = [torch.sign(c) if touched[i][j] else torch.zeros_like(c) for i, c in enumerate(cs)]
+            signs = [kept(c, tau, S) if touched[i][j] else torch.zeros_like(c) for i, c in enumerate(cs)]
             total = sum(signs)
             if any(touched[i][j] for i in range(world)):
                 delta = torch.sign(total) if vote == "mavo" else total / world
@@ -71,7 +77,7 @@ def reference(world, steps, H, vote="mavo", ef=True, alpha=1.0, dense=False, bat
             for i in range(world):
                 if touched[i][j] and ef:
                     c = cs[i]
-                    es[i][j] = c - c.abs().mean() * torch.sign(c)
+                    es[i][j] = c - c.abs().mean() * kept(c, tau, S)
                 xs[i][j] = anchor[j].clone()
         anchors[t + 1] = [a.clone() for a in anchor]
         touched = [[False] * len(x0) for _ in range(world)]
@@ -134,6 +140,7 @@ def local_worker(rank, world, configs):
         params = [p.requires_grad_() for p in init_params(rank)]
         opt = dlion.LocalDistributedLion(params, lr=LR, betas=BETAS, weight_decay=WD, sync_every=cfg["H"],
                                          sync_warmup=cfg.get("W", 0), streaming=cfg.get("streaming", False),
+                                         abstain_below=cfg.get("tau", 0.0),
                                          vote=cfg.get("vote", "mavo"), ties=cfg.get("ties", "zero"),
                                          comm=cfg.get("comm", "1bit"), error_feedback=cfg.get("ef", True),
                                          outer_scale=cfg.get("alpha", 1.0), seed=3,
@@ -156,19 +163,21 @@ def local_worker(rank, world, configs):
 
 CASES = [dict(H=3, steps=8), dict(H=1, steps=3), dict(H=3, steps=7, vote="avg"), dict(H=2, steps=5, ef=False),
          dict(H=3, steps=6, alpha=0.5, comm="allgather"), dict(H=4, steps=8, bucket_cap_mb=0.01),
-         dict(H=3, steps=9, W=2)]  # rounds end at steps 1, 2, 5, 8; step 9 is an unfinished round
+         dict(H=3, steps=9, W=2),  # rounds end at steps 1, 2, 5, 8; step 9 is an unfinished round
+         dict(H=3, steps=9, tau=0.5), dict(H=4, steps=8, tau=0.8, ef=False, vote="avg")]
 
 
 @pytest.mark.parametrize("world", [3, 4, 5])
 def test_equals_the_literal_reference_after_every_sync(world):
     """N = 3, 4, 5 (odd and even: ties give 0), H = 1 and H > 1, MaVo and Avg, with and without
     error feedback, abstentions (a parameter with no gradient on odd ranks, one with none anywhere),
-    several buckets, a warm-up of rounds of one step (``sync_warmup``): the anchor after every sync equals the reference bitwise on every rank, and
+    several buckets, a warm-up of rounds of one step (``sync_warmup``), abstentions where a worker
+    moved less than tau·S (``abstain_below``): the anchor after every sync equals the reference bitwise on every rank, and
     each rank's local parameters after an unfinished round equal that worker's reference."""
     results = spawn(local_worker, world, CASES)
     for c, cfg in enumerate(CASES):
         anchors, xs = reference(world, cfg["steps"], cfg["H"], cfg.get("vote", "mavo"), cfg.get("ef", True),
-                                cfg.get("alpha", 1.0), warmup=cfg.get("W", 0))
+                                cfg.get("alpha", 1.0), warmup=cfg.get("W", 0), tau=cfg.get("tau", 0.0))
         assert sorted(anchors) == sorted(results[0][c]["synced"]), cfg
         for rank, res in enumerate(results):
             r = res[c]
@@ -312,6 +321,8 @@ def test_streaming_checkpoint_with_a_round_in_flight_resumes_bitwise(tmp_path):
     (dict(sync_every=0), "sync_every"), (dict(sync_every=2.0), "sync_every"), (dict(outer_scale=0), "outer_scale"),
     (dict(outer_scale=float("inf")), "outer_scale"), (dict(error_feedback=1), "error_feedback"),
     (dict(sync_warmup=-1), "sync_warmup"), (dict(sync_warmup=2.0), "sync_warmup"),
+    (dict(abstain_below=-0.1), "abstain_below"), (dict(abstain_below=True), "abstain_below"),
+    (dict(abstain_below=0.5, aggregate="quantized"), "abstain_below"),
 ])
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -9,13 +9,17 @@ failure flags as every-step :class:`dlion.DistributedLion`. Per round, on rank i
     x_i ← H Lion steps from A (lr η_t, weight decay λ, momentum m_i kept across rounds)
     S   = Σ η_t over the round's steps                      # identical on every rank
     e_i ← e_i + (A − x_i)                                   # error feedback (e_i = 0 at first)
-    s_i = sign(e_i)                                         # 1 bit per coordinate on the wire
+    s_i = sign(e_i)·[|e_i| ≥ τ·S]                           # 1 bit per coordinate on the wire (τ = 0)
     e_i ← e_i − mean(|e_i|)·s_i                             # per tensor: what the sign kept leaves
     Δ   = rule(s_1 … s_N)                                   # majority vote (or mean), as every step
     A   ← A − α·S·Δ ;  x_i ← A                              # identical on every rank
 
 A rank that had no gradient for a parameter during the whole round abstains on it
-(sends 0, keeps its residual). Without error feedback s_i = sign(A − x_i) and
+(sends 0, keeps its residual). With ``abstain_below=τ > 0`` a rank also abstains on the
+coordinates it moved less than τ·S (its residual included): where its steps reversed within
+the round. A full ±α·S there is what sets training back when the ranks' steps start to
+oscillate (docs/benchmarks.md, "Talking every H steps"). Abstentions scattered over a bucket
+travel as base-3 digits (1.6 bits instead of 1, each way). Without error feedback s_i = sign(A − x_i) and
 e_i stays 0. Bytes: what one :class:`DistributedLion` step of the same
 algorithm moves, once per round (``comm_stats`` counts every step, so
 ``bits_per_param_per_step`` is the amortised figure): for ``comm="1bit"`` at
@@ -93,6 +97,7 @@ class LocalDistributedLion(DistributedLion):
         outer_scale: α, the outer step is α·S·Δ with S the round's summed lr.
         error_feedback: carry what the sign dropped into the next round (module docstring).
         streaming: exchange each round's vote behind the next round and apply it one round later.
+        abstain_below: τ ≥ 0; a rank abstains where |e + A − x| < τ·S (module docstring). 0: never.
         vote, ties, process_group, comm, aggregate, quant_norm, quant_bits, bucket_cap_mb, seed,
         check_every, nonfinite, momentum_dtype, fused: as :class:`dlion.DistributedLion`;
         ``aggregate="quantized"`` votes on Lion Cub's quantised residual instead of its sign
@@ -125,6 +130,7 @@ class LocalDistributedLion(DistributedLion):
         outer_scale: float = 1.0,
         error_feedback: bool = True,
         streaming: bool = False,
+        abstain_below: float = 0.0,
         **options,
     ):
         for name in options:  # DistributedLion's options that a round of local steps has no use for
@@ -143,8 +149,14 @@ class LocalDistributedLion(DistributedLion):
             raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
         if not isinstance(streaming, bool):
             raise ValueError(f"streaming must be True or False, got {streaming!r}")
+        if (not isinstance(abstain_below, (int, float)) or isinstance(abstain_below, bool)
+                or not 0.0 <= float(abstain_below) < float("inf")):
+            raise ValueError(f"abstain_below must be a number >= 0, got {abstain_below!r}")
+        if abstain_below and options.get("aggregate", "sign") != "sign":
+            raise ValueError("abstain_below applies to the sign vote (aggregate='sign'), not to "
+                             f"aggregate={options['aggregate']!r}")
         self.sync_every, self.outer_scale, self.error_feedback = sync_every, float(outer_scale), error_feedback
-        self.sync_warmup = sync_warmup
+        self.sync_warmup, self.abstain_below = sync_warmup, float(abstain_below)
         self.streaming = streaming  # (read by DistributedLion.__init__: the exchange gets a thread and a group)
         super().__init__(params, lr, betas, weight_decay, **options)
         #: per parameter group: S, the lr summed over the round's steps so far
@@ -172,7 +184,7 @@ class LocalDistributedLion(DistributedLion):
 
     def _options(self) -> dict:
         return {**super()._options(), "sync_every": self.sync_every, "sync_warmup": self.sync_warmup,
-                "outer_scale": self.outer_scale,
+                "outer_scale": self.outer_scale, "abstain_below": self.abstain_below,
                 "error_feedback": self.error_feedback, "streaming": self.streaming}
 
     def _accepts_kind(self, kind: str) -> bool:
@@ -195,8 +207,18 @@ class LocalDistributedLion(DistributedLion):
         self.comm_stats.steps += 1
 
     def _outer_lr(self, group: dict) -> float:
-        i = next(i for i, g in enumerate(self.param_groups) if g is group)
-        return self.outer_scale * self._flight_lr[i]
+        return self.outer_scale * self._flight_sum(group)
+
+    def _flight_sum(self, group: dict) -> float:
+        """S of the round being exchanged, for this parameter group."""
+        return self._flight_lr[next(i for i, g in enumerate(self.param_groups) if g is group)]
+
+    def _kept_signs(self, c: Tensor, group: dict) -> Tensor:
+        """sign(c), 0 where |c| < τ·S (``abstain_below``)."""
+        s = torch.sign(c)
+        if self.abstain_below:
+            s.mul_(c.abs() >= self.abstain_below * self._flight_sum(group))
+        return s
 
     def _digest(self, group: dict) -> int:
         """The outer step α·S, β and weight decay must agree on every rank (e.g. one rank's lr schedule ahead)."""
@@ -232,7 +254,7 @@ class LocalDistributedLion(DistributedLion):
                 if present[j]:
                     out[o:o + n].copy_(quantize(c[o:o + n], self.quant_levels, self.quant_norm))
         else:
-            out.copy_(torch.sign(c))
+            out.copy_(self._kept_signs(c, b.group))
         for j, ok in enumerate(present):
             if not ok:
                 out[b.offsets[j]:b.offsets[j] + b.sizes[j]].zero_()
@@ -262,7 +284,7 @@ class LocalDistributedLion(DistributedLion):
         for j, ok in enumerate(present):
             if ok:
                 c = buf.grad_views[j]
-                b.views(self._slots[k].residual)[j].copy_(c - c.abs().mean() * torch.sign(c))
+                b.views(self._slots[k].residual)[j].copy_(c - c.abs().mean() * self._kept_signs(c, b.group))
 
     def _apply(self, k: int, b: Bucket, o, present: list[bool], borrowed=None) -> None:
         """x ← A − α·S·Δ on the parameters some rank touched (A elsewhere: x = A there already on

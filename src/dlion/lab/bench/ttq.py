@@ -308,6 +308,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--sync-warmup", type=int, default=0, metavar="K",
                     help="d-local-*: the first K steps each end a round (LocalDistributedLion(sync_warmup=K)); "
                          "such curves are not composed with --step-times (one step time cannot cover both phases)")
+    ap.add_argument("--abstain-below", type=float, default=0.0, metavar="TAU",
+                    help="d-local-*: a rank abstains where its round's progress is below TAU times the round's summed "
+                         "lr (LocalDistributedLion(abstain_below=TAU)); default 0")
     ap.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer Nesterov SGD lr (default 0.7)")
     ap.add_argument("--quant-bits", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
@@ -363,6 +366,10 @@ def _step_times(path: str, cfg: dict, workers: int) -> tuple[dict, str]:
         raise SystemExit(f"dlion bench ttq: these curves were trained with --sync-warmup {cfg['sync_warmup']}: "
                          f"their first {cfg['sync_warmup']} steps sync every step and the rest every "
                          f"{cfg.get('sync_every', 10)}, which one measured step time per method does not cover")
+    if local and cfg.get("abstain_below", 0.0) != other.get("abstain_below", 0.0) and any(
+            m.startswith("d-local") for m in local):
+        raise SystemExit(f"dlion bench ttq: these curves were trained with --abstain-below {cfg.get('abstain_below', 0.0)}, "
+                         f"{path} measured d-local-* with {other.get('abstain_below', 0.0)}: abstentions change the bytes")
     if local and other.get("sync_every") != cfg.get("sync_every", 10):
         raise SystemExit(f"dlion bench ttq: {path} measured {', '.join(local)} with --sync-every "
                          f"{other.get('sync_every')}, not {cfg.get('sync_every', 10)}: their step times depend on H; "
@@ -444,6 +451,8 @@ def main(argv: list[str]) -> int:
     methods = methods_from_args(ap, args)
     if args.sync_warmup < 0:
         ap.error(f"--sync-warmup must be >= 0, got {args.sync_warmup}")
+    if not args.abstain_below >= 0:
+        ap.error(f"--abstain-below must be >= 0, got {args.abstain_below}")
     if "g-lion" not in methods and args.target is None:
         methods = ["g-lion"] + methods  # the reference that defines L (with --target, only if asked for)
     cfg = {"n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head, "block_size": args.block_size,
@@ -453,7 +462,7 @@ def main(argv: list[str]) -> int:
            "steps": args.steps, "eval_every": args.eval_every, "eval_batches": args.eval_batches,
            "warmup_frac": args.warmup_frac, "methods": methods, "timeout": args.timeout, "synthetic": False,
            "sequential": True, "warmup": 0, "per_node": args.per_node, "sync_every": args.sync_every,
-           "sync_warmup": args.sync_warmup, "outer_lr": args.outer_lr,
+           "sync_warmup": args.sync_warmup, "abstain_below": args.abstain_below, "outer_lr": args.outer_lr,
            "nodes": args.workers // args.per_node if args.per_node else 0}
     if args.curves and args.extend:
         ap.error("--extend trains and merges; --curves only re-composes: give one of them")

@@ -352,7 +352,8 @@ class MethodRun:
             self.net = model
             self.opt = _local_class()(model.named_parameters(), lr=lr, betas=betas, weight_decay=wd, vote="mavo",
                                       ties=cfg["ties"], comm="1bit", sync_every=cfg.get("sync_every", 10),
-                                      sync_warmup=cfg.get("sync_warmup", 0), streaming=method.endswith("-st"),
+                                      sync_warmup=cfg.get("sync_warmup", 0), abstain_below=cfg.get("abstain_below", 0.0),
+                                      streaming=method.endswith("-st"),
                                       bucket_cap_mb=cfg["bucket_mb"], fused=fused)
             self.opt.check_replicas()
         elif method in DILOCO:
