@@ -9,13 +9,18 @@ def test_probe_holds_the_sync_back_and_the_modes_differ(tmp_path):
     assert main(["--seeds", "2", "--steps", "10", "--sync-first", "10", "--probe", "2:10", "--workers", "2",
                  "--out", str(tmp_path)]) == 0
     rows = {r["mode"]: r for r in json.load(open(tmp_path / "stall.json"))["rows"]}
-    assert set(rows) == {"vote", "vote-h1-10", "alone", "g-lion", "probe-10"}
-    loss = {m: dict(rows[m]["curve"])[10] for m in ("vote", "vote-h1-10", "alone", "g-lion")}
+    assert set(rows) == {"vote", "vote-h1-10", "vote-ab-0.5", "alone", "g-lion", "probe-10"}
+    loss = {m: dict(rows[m]["curve"])[10] for m in ("vote", "vote-h1-10", "vote-ab-0.5", "alone", "g-lion")}
     probe = rows["probe-10"]["probe"]
     # the probe's rank 0 ran the same 10 local steps as "alone" and was not synced: the same loss, bitwise
     assert probe["rank0_local"] == loss["alone"]
     # the sync moved the parameters (the agreed anchor is not rank 0's copy); every mode is its own run
-    assert len({loss["vote"], loss["vote-h1-10"], loss["alone"], loss["g-lion"]}) == 4
+    assert len(set(loss.values())) == 5
     assert 0.0 < probe["mean_abs_progress_over_S"] <= 1.01  # a Lion step moves a coordinate by lr (plus its small decay)
     assert 0.0 <= probe["share_below_quarter_S"] < 1.0
     assert (tmp_path / "stall.png").stat().st_size > 10_000
+    # a later run of some modes replaces their rows and keeps the others
+    assert main(["--seeds", "2", "--steps", "10", "--sync-first", "10", "--probe", "", "--workers", "2",
+                 "--modes", "alone", "--out", str(tmp_path)]) == 0
+    again = {r["mode"]: r for r in json.load(open(tmp_path / "stall.json"))["rows"]}
+    assert set(again) == set(rows) and again["alone"]["curve"] == rows["alone"]["curve"]

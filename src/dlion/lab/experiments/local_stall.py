@@ -8,9 +8,11 @@ rank, lr 1e-4 with its warm-up and cosine over a 1000-step run, betas (0.9, 0.99
 0.1, random ties), the first ``--steps`` steps, validation loss every 10 steps, for:
 
 ``vote``        :class:`dlion.LocalDistributedLion`, H = 10, the agreed parameters (the anchor);
-``vote-h1-K``   the same with H = 1 for the first K steps (``--sync-first``), then H = 10: local
+``vote-h1-K``   the same with ``sync_warmup=K`` (``--sync-first``): H = 1 for the first K steps, then H = 10: local
                 steps only once the early phase is over, as in post-local SGD (Lin et al., "Don't
                 Use Large Mini-Batches, Use Local SGD", arXiv 1808.07217);
+``vote-ab-T``   the same with ``abstain_below=T`` (``--abstain-below``): a rank abstains where it
+                moved less than T times the round's summed lr;
 ``alone``       rank 0's own Lion on its own batches (the same inner steps, never synced);
 ``g-lion``      every-step Lion on the mean gradient of the 4 ranks' batches (one process).
 
@@ -99,16 +101,18 @@ def _probe(opt, model, val, world: int, rank: int, S: float) -> Optional[dict]:
     }
 
 
-def _ranks(rank: int, world: int, seed: int, steps: int, mode: str, sync_first: int) -> dict:
+def _ranks(rank: int, world: int, seed: int, steps: int, mode: str, sync_first: int, tau: float = 0.0) -> dict:
     """One mode on ``world`` ranks; ``mode="probe"`` stops at ``steps`` (a round's end) with the
-    probe instead of that round's sync, and ``sync_first`` K > 0 syncs every step before step K."""
+    probe instead of that round's sync; ``sync_first`` K > 0 syncs every step before step K
+    (``sync_warmup=K``), ``tau`` > 0 abstains below tau·S (``abstain_below=tau``)."""
     import dlion
     from dlion.lab.bench.ttq import evaluate, lr_factor
     from dlion.lab.data import char_batches
 
     cfg, train_ids, val, model = _setup(seed)
     opt = dlion.LocalDistributedLion(model.named_parameters(), lr=LR, betas=(0.9, 0.99), weight_decay=0.1,
-                                     vote="mavo", ties="random", comm="1bit", bucket_cap_mb=6, sync_every=H)
+                                     vote="mavo", ties="random", comm="1bit", bucket_cap_mb=6, sync_every=H,
+                                     sync_warmup=sync_first, abstain_below=tau)
     never = steps + 1
     g = torch.Generator().manual_seed(1000 * seed + rank)
     curve, S = [], 0.0
@@ -117,8 +121,7 @@ def _ranks(rank: int, world: int, seed: int, steps: int, mode: str, sync_first: 
         for group in opt.param_groups:
             group["lr"] = lr
         S = lr if step % H == 0 else S + lr
-        opt.sync_every = (never if mode == "alone" or (mode == "probe" and step + 1 == steps)
-                          else 1 if step < sync_first else H)
+        opt.sync_every = never if mode == "alone" or (mode == "probe" and step + 1 == steps) else H
         x, y = char_batches(train_ids, cfg["block_size"], cfg["batch_size"], g)
         opt.zero_grad(set_to_none=True)
         model(x, y)[1].backward()
@@ -182,31 +185,54 @@ def main(argv: Optional[list] = None) -> int:
     ap.add_argument("--steps", type=int, default=200, help="steps of the 1000-step schedule (a multiple of 10)")
     ap.add_argument("--sync-first", type=int, default=200, help="K of vote-h1-K (a multiple of 10)")
     ap.add_argument("--probe", default="1:80", help="SEED:STEP[,SEED:STEP...] (STEP a multiple of 10); '' for none")
+    ap.add_argument("--abstain-below", type=float, default=0.5, help="T of vote-ab-T")
+    ap.add_argument("--modes", default="vote,vote-h1,vote-ab,alone,g-lion",
+                    help="which curves (comma separated); rows of others already in --out's stall.json are kept")
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     for name in ("steps", "sync_first"):
         if getattr(args, name) % H or getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} must be a multiple of {H}")
+    modes = args.modes.split(",")
+    known = ("vote", "vote-h1", "vote-ab", "alone", "g-lion")
+    if set(modes) - set(known):
+        ap.error(f"--modes: unknown {sorted(set(modes) - set(known))}; choose from {', '.join(known)}")
     os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "stall.json")
+    config = {**CFG, "lr": LR, "run_steps": RUN_STEPS, "warmup_steps": WARMUP, "sync_every": H,
+              "workers": args.workers, "steps": args.steps, "sync_first": args.sync_first,
+              "abstain_below": args.abstain_below}
     rows = []
+    if os.path.exists(path):  # keep the other modes' rows of the same experiment
+        with open(path) as f:
+            old = json.load(f)
+        if {k: v for k, v in old["config"].items() if k != "abstain_below"} != {
+                k: v for k, v in config.items() if k != "abstain_below"}:
+            ap.error(f"{path} holds another configuration: give another --out")
+        rows = old["rows"]
+    runs = {"vote": ("vote", 0, 0.0), "vote-h1": ("vote", args.sync_first, 0.0), "vote-ab": ("vote", 0, args.abstain_below),
+            "alone": ("alone", 0, 0.0)}
+    labels = {"vote-h1": f"vote-h1-{args.sync_first}", "vote-ab": f"vote-ab-{args.abstain_below:g}"}
     for seed in args.seeds:
-        for label, mode, k in (("vote", "vote", 0), (f"vote-h1-{args.sync_first}", "vote", args.sync_first),
-                               ("alone", "alone", 0)):
-            out = spawn(_ranks, args.workers, seed, args.steps, mode, k, timeout_s=3600)[0]
-            rows.append({"seed": seed, "mode": label, "curve": out["curve"]})
-            print(f"seed {seed} {label}: " + " ".join(f"{v:.3f}" for _, v in out["curve"]), flush=True)
-        torch.set_num_threads(1)
-        rows.append({"seed": seed, "mode": "g-lion", "curve": _g_lion(seed, args.steps, args.workers)})
-        print(f"seed {seed} g-lion: " + " ".join(f"{v:.3f}" for _, v in rows[-1]["curve"]), flush=True)
+        for name in modes:
+            label = labels.get(name, name)
+            if name == "g-lion":
+                torch.set_num_threads(1)
+                curve = _g_lion(seed, args.steps, args.workers)
+            else:
+                mode, k, tau = runs[name]
+                curve = spawn(_ranks, args.workers, seed, args.steps, mode, k, tau, timeout_s=3600)[0]["curve"]
+            rows = [r for r in rows if (r["seed"], r["mode"]) != (seed, label)]
+            rows.append({"seed": seed, "mode": label, "curve": curve})
+            print(f"seed {seed} {label}: " + " ".join(f"{v:.3f}" for _, v in curve), flush=True)
     for probe in filter(None, args.probe.split(",")):
         seed, step = (int(v) for v in probe.split(":"))
         found = spawn(_ranks, args.workers, seed, step, "probe", 0, timeout_s=3600)[0]["probe"]
+        rows = [r for r in rows if (r["seed"], r["mode"]) != (seed, f"probe-{step}")]
         rows.append({"seed": seed, "mode": f"probe-{step}", "curve": [], "probe": found})
         print(f"probe seed {seed} step {step}: {json.dumps(found)}", flush=True)
-    config = {**CFG, "lr": LR, "run_steps": RUN_STEPS, "warmup_steps": WARMUP, "sync_every": H,
-              "workers": args.workers, "steps": args.steps, "sync_first": args.sync_first}
-    with open(os.path.join(args.out, "stall.json"), "w") as f:
+    with open(path, "w") as f:
         json.dump({"config": config, "rows": rows}, f, indent=1)
     _plot(rows, os.path.join(args.out, "stall.png"))
     return 0
