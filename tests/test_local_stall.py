@@ -19,6 +19,15 @@ def test_probe_holds_the_sync_back_and_the_modes_differ(tmp_path):
     assert 0.0 < probe["mean_abs_progress_over_S"] <= 1.01  # a Lion step moves a coordinate by lr (plus its small decay)
     assert 0.0 <= probe["share_below_quarter_S"] < 1.0
     assert (tmp_path / "stall.png").stat().st_size > 10_000
+    # bits rank 0 sent: 2 ranks, 1 bit to the other rank's half of each bucket, then a 1-bit result
+    # (or a base-3 digit where ranks abstain) back: (N-1)/N·(1 + 1) = 1 bit per sync, plus headers
+    bits = {m: rows[m]["bits_sent_per_param_per_step"] for m in ("vote", "vote-h1-10", "vote-ab-0.5", "alone")}
+    assert bits["alone"] == 0.0
+    assert 0.1 <= bits["vote"] < 0.105  # one sync in 10 steps
+    assert 1.0 <= bits["vote-h1-10"] < 1.05  # ten
+    # scattered abstentions overflow the zero-run table of the 1-bit send: each way the bucket goes
+    # again as base-3 digits (1.6 bits), (N-1)/N·(1 + 1.6)·2 = 2.6 bits for this first sync
+    assert 0.2 < bits["vote-ab-0.5"] < 0.265
     # a later run of some modes replaces their rows and keeps the others
     assert main(["--seeds", "2", "--steps", "10", "--sync-first", "10", "--probe", "", "--workers", "2",
                  "--modes", "alone", "--out", str(tmp_path)]) == 0

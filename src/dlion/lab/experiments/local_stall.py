@@ -21,7 +21,7 @@ updates from the same four ranks' progress d_i = A − x_i would have given: the
 (model averaging), S·sign(mean d_i), the vote without error feedback, and the vote on
 sign(d_i)·[|d_i| ≥ S/2] (a rank abstains where its steps reversed in the round).
 
-Writes ``stall.json`` (every curve and probe) and ``stall.png`` (the curves per seed).
+Writes ``stall.json`` (every curve and probe, and the bits rank 0 sent per parameter per step) and ``stall.png`` (the curves per seed).
 """
 
 from __future__ import annotations
@@ -130,7 +130,9 @@ def _ranks(rank: int, world: int, seed: int, steps: int, mode: str, sync_first: 
             with (opt.anchored() if mode != "alone" else contextlib.nullcontext()):
                 curve.append((step + 1, evaluate(model, val)))
     found = _probe(opt, model, val, world, rank, S) if mode == "probe" else None
-    return {"curve": curve, "probe": found}
+    params = sum(p.numel() for p in model.parameters())
+    # what this rank sent, per parameter and step (its own count of the bytes it handed to Gloo)
+    return {"curve": curve, "probe": found, "bits_sent": 8 * opt.comm_stats.bytes_sent / (params * steps)}
 
 
 def _g_lion(seed: int, steps: int, world: int) -> list:
@@ -217,15 +219,18 @@ def main(argv: Optional[list] = None) -> int:
     for seed in args.seeds:
         for name in modes:
             label = labels.get(name, name)
+            bits = None
             if name == "g-lion":
                 torch.set_num_threads(1)
                 curve = _g_lion(seed, args.steps, args.workers)
             else:
                 mode, k, tau = runs[name]
-                curve = spawn(_ranks, args.workers, seed, args.steps, mode, k, tau, timeout_s=3600)[0]["curve"]
+                out = spawn(_ranks, args.workers, seed, args.steps, mode, k, tau, timeout_s=3600)[0]
+                curve, bits = out["curve"], out["bits_sent"]
             rows = [r for r in rows if (r["seed"], r["mode"]) != (seed, label)]
-            rows.append({"seed": seed, "mode": label, "curve": curve})
-            print(f"seed {seed} {label}: " + " ".join(f"{v:.3f}" for _, v in curve), flush=True)
+            rows.append({"seed": seed, "mode": label, "curve": curve, "bits_sent_per_param_per_step": bits})
+            print(f"seed {seed} {label}: " + " ".join(f"{v:.3f}" for _, v in curve)
+                  + (f"; {bits:.4f} bits/param/step sent" if bits is not None else ""), flush=True)
     for probe in filter(None, args.probe.split(",")):
         seed, step = (int(v) for v in probe.split(":"))
         found = spawn(_ranks, args.workers, seed, step, "probe", 0, timeout_s=3600)[0]["probe"]
