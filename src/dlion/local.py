@@ -18,7 +18,7 @@ A rank that had no gradient for a parameter during the whole round abstains on i
 (sends 0, keeps its residual). With ``abstain_below=τ > 0`` a rank also abstains on the
 coordinates it moved less than τ·S (its residual included): where its steps reversed within
 the round. A full ±α·S there is what sets training back when the ranks' steps start to
-oscillate (docs/benchmarks.md, "Talking every H steps"). Abstentions scattered over a bucket
+oscillate (docs/results.md, "Why the local vote stalls on some seeds"). Abstentions scattered over a bucket
 travel as base-3 digits (1.6 bits instead of 1, each way). Without error feedback s_i = sign(A − x_i) and
 e_i stays 0. Bytes: what one :class:`DistributedLion` step of the same
 algorithm moves, once per round (``comm_stats`` counts every step, so
@@ -93,7 +93,7 @@ class LocalDistributedLion(DistributedLion):
             local steps only after the early phase, as post-local SGD (Lin et al. 2020, arXiv
             1808.07217; PyTorch's ``PostLocalSGDState(start_localSGD_iter=...)``). Early on each
             rank's small-batch Lion can stall where the mean of the ranks' gradients does not
-            (docs/benchmarks.md, "Talking every H steps"); each of these steps costs one exchange.
+            (docs/results.md, "Why the local vote stalls on some seeds"); each of these steps costs one exchange.
         outer_scale: α, the outer step is α·S·Δ with S the round's summed lr.
         error_feedback: carry what the sign dropped into the next round (module docstring).
         streaming: exchange each round's vote behind the next round and apply it one round later.

@@ -362,12 +362,12 @@ def _step_times(path: str, cfg: dict, workers: int) -> tuple[dict, str]:
 
     # the step time of a method talking every H steps is the mean over whole rounds of that H
     local = sorted({r["method"] for r in doc["results"]} & set(cfg.get("methods", ())) & set(SYNC_EVERY))
-    if local and cfg.get("sync_warmup", 0) and any(m.startswith("d-local") for m in local):
+    vote = [m for m in local if m.startswith("d-local")]  # (LocalDistributedLion's options)
+    if vote and cfg.get("sync_warmup", 0):
         raise SystemExit(f"dlion bench ttq: these curves were trained with --sync-warmup {cfg['sync_warmup']}: "
                          f"their first {cfg['sync_warmup']} steps sync every step and the rest every "
                          f"{cfg.get('sync_every', 10)}, which one measured step time per method does not cover")
-    if local and cfg.get("abstain_below", 0.0) != other.get("abstain_below", 0.0) and any(
-            m.startswith("d-local") for m in local):
+    if vote and cfg.get("abstain_below", 0.0) != other.get("abstain_below", 0.0):
         raise SystemExit(f"dlion bench ttq: these curves were trained with --abstain-below {cfg.get('abstain_below', 0.0)}, "
                          f"{path} measured d-local-* with {other.get('abstain_below', 0.0)}: abstentions change the bytes")
     if local and other.get("sync_every") != cfg.get("sync_every", 10):

@@ -50,11 +50,14 @@ def _setup(seed: int):
     return cfg, train_ids, _val_batches(val_ids, cfg), _build_model(cfg, len(vocab))
 
 
-def _set_lr(opt, step: int) -> None:
+def _set_lr(opt, step: int) -> float:
+    """The ttq schedule's lr at ``step`` of a ``RUN_STEPS`` run, set on every group and returned."""
     from dlion.lab.bench.ttq import lr_factor
 
+    lr = LR * lr_factor(step, RUN_STEPS, WARMUP)
     for g in opt.param_groups:
-        g["lr"] = LR * lr_factor(step, RUN_STEPS, WARMUP)
+        g["lr"] = lr
+    return lr
 
 
 def _probe(opt, model, val, world: int, rank: int, S: float) -> Optional[dict]:
@@ -106,7 +109,7 @@ def _ranks(rank: int, world: int, seed: int, steps: int, mode: str, sync_first: 
     probe instead of that round's sync; ``sync_first`` K > 0 syncs every step before step K
     (``sync_warmup=K``), ``tau`` > 0 abstains below tau·S (``abstain_below=tau``)."""
     import dlion
-    from dlion.lab.bench.ttq import evaluate, lr_factor
+    from dlion.lab.bench.ttq import evaluate
     from dlion.lab.data import char_batches
 
     cfg, train_ids, val, model = _setup(seed)
@@ -117,9 +120,7 @@ def _ranks(rank: int, world: int, seed: int, steps: int, mode: str, sync_first: 
     g = torch.Generator().manual_seed(1000 * seed + rank)
     curve, S = [], 0.0
     for step in range(steps):
-        lr = LR * lr_factor(step, RUN_STEPS, WARMUP)
-        for group in opt.param_groups:
-            group["lr"] = lr
+        lr = _set_lr(opt, step)
         S = lr if step % H == 0 else S + lr
         opt.sync_every = never if mode == "alone" or (mode == "probe" and step + 1 == steps) else H
         x, y = char_batches(train_ids, cfg["block_size"], cfg["batch_size"], g)
@@ -138,7 +139,7 @@ def _ranks(rank: int, world: int, seed: int, steps: int, mode: str, sync_first: 
 def _g_lion(seed: int, steps: int, world: int) -> list:
     """Every-step Lion on the mean of the ``world`` ranks' batch gradients, in one process."""
     import dlion
-    from dlion.lab.bench.ttq import evaluate, lr_factor
+    from dlion.lab.bench.ttq import evaluate
     from dlion.lab.data import char_batches
 
     cfg, train_ids, val, model = _setup(seed)
@@ -146,8 +147,7 @@ def _g_lion(seed: int, steps: int, world: int) -> list:
     gens = [torch.Generator().manual_seed(1000 * seed + r) for r in range(world)]
     curve = []
     for step in range(steps):
-        for group in opt.param_groups:
-            group["lr"] = LR * lr_factor(step, RUN_STEPS, WARMUP)
+        _set_lr(opt, step)
         opt.zero_grad(set_to_none=True)
         for g in gens:
             x, y = char_batches(train_ids, cfg["block_size"], cfg["batch_size"], g)
