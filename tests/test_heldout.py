@@ -51,3 +51,32 @@ def test_warmup_stage_replaces_30_percent_only_when_10_percent_ranks_better(tmp_
     chosen = heldout.choose(heldout.rows_of(str(tmp_path), 2.1))
     assert {m: (c["lr"], c["warmup"], c["warmup_searched"]) for m, c in chosen.items()} == {
         "a": (1e-4, 0.3, True), "b": (1e-4, 0.1, True), "c": (1e-4, 0.1, True)}
+
+
+def test_abstain_stage_takes_a_tau_only_when_it_ranks_better(tmp_path):
+    plain = {"d-local-mavo": [[0, 3.0], [20, 2.09]], "g-lion": [[0, 3.0], [10, 2.0]]}
+    _write(tmp_path, "lr1e-4", plain, 1e-4)
+    _write(tmp_path, "lr2e-4", {"d-local-mavo": [[0, 3.0], [20, 2.2]], "g-lion": [[0, 3.0], [20, 2.0]]}, 2e-4)
+
+    def tau(name, curve, t, lr=1e-4):
+        _write(tmp_path, name, {"d-local-mavo": curve}, lr)
+        doc = json.loads((tmp_path / name / "ttq_results.json").read_text())
+        doc["config"]["abstain_below"] = t
+        (tmp_path / name / "ttq_results.json").write_text(json.dumps(doc))
+
+    tau("ab0.25", [[0, 3.0], [20, 2.08]], 0.25)     # the same steps, lower loss: ranks better
+    tau("ab1", [[0, 3.0], [30, 2.0]], 1.0)          # later: ranks worse
+    tau("ab0.5-lr2e-4", [[0, 3.0], [10, 1.0]], 0.5, lr=2e-4)   # not at the chosen lr: never counts
+    tau("ab0.7", [[0, 3.0], [10, 1.0]], 0.7)        # off the grid: never counts
+    chosen = heldout.choose(heldout.rows_of(str(tmp_path), 2.1))
+    # the abstaining runs do not move the lr (2e-4 with 0.5 would have won stage 1)
+    assert chosen["d-local-mavo"]["lr"] == 1e-4
+    assert (chosen["d-local-mavo"]["abstain_below"], chosen["d-local-mavo"]["abstain_searched"]) == (0.25, 2)
+    assert "abstain_below" not in chosen["g-lion"]
+    # without the better τ, τ = 0 stays
+    (tmp_path / "ab0.25" / "ttq_results.json").unlink()
+    chosen = heldout.choose(heldout.rows_of(str(tmp_path), 2.1))
+    assert chosen["d-local-mavo"]["abstain_below"] == 0.0
+    assert heldout.main([str(tmp_path)]) == 0
+    assert "<- chosen" in [ln for ln in (tmp_path / "tune_seed100.txt").read_text().splitlines()
+                           if ln.startswith("d-local-mavo") and " 0.00 " in ln and "1e-04" in ln][0]

@@ -7,6 +7,11 @@ seed 100 only (never an evaluation seed):
    with the fewest steps to the target loss, ties and misses broken by the lowest validation loss.
 2. **warm-up**: each method at its stage-1 lr also with a 10 % warm-up; 30 % is kept unless 10 %
    wins by the same ranking.
+3. **abstain_below** (fixed 2026-11-27 before its runs; the local vote only): the ``d-local-*``
+   method at its stage-1/2 lr and warm-up also with ``--abstain-below`` τ in {0.25, 0.5, 1}; τ = 0
+   is kept unless a τ ranks better by the same ranking (the lowest-ranked τ wins).
+
+Stages 1 and 2 count only runs without abstentions, so a stage-3 run never moves an lr or warm-up.
 
 Reads every ``DIR/*/ttq_results.json`` whose config has seed 100 (its lr, warm-up and method names
 from the file itself) and writes ``tune_seed100.json`` and ``tune_seed100.txt`` into DIR::
@@ -22,6 +27,7 @@ import json
 import os
 
 GRID = (1e-4, 2e-4, 3e-4)
+ABSTAIN_GRID = (0.25, 0.5, 1.0)
 WARMUP, WARMUP_ALT = 0.3, 0.1
 SEED = 100
 
@@ -37,6 +43,7 @@ def rows_of(root: str, target: float) -> list:
             continue
         for method, curve in doc["curves"].items():
             rows.append({"method": method, "lr": float(cfg["lr"]), "warmup": float(cfg["warmup_frac"]),
+                         "abstain_below": float(cfg.get("abstain_below", 0.0)),
                          "steps_to_target": next((s for s, v in curve if v <= target), None),
                          "best_loss": min(v for _, v in curve), "final_loss": curve[-1][1],
                          "file": os.path.relpath(f, root)})
@@ -50,17 +57,26 @@ def _rank(r):
 def choose(rows: list) -> dict:
     """Per method, ``{"lr": …, "warmup": …}`` by the rule: stage 1 picks the lr among the 30 %
     warm-up runs on the grid, stage 2 keeps 30 % unless the 10 % run at that lr ranks better. The
-    ranking: fewest steps to the target; a miss loses to any hit; ties and misses by the lowest loss."""
+    ranking: fewest steps to the target; a miss loses to any hit; ties and misses by the lowest loss.
+    Stage 3, for ``d-local-*`` only: τ = 0 unless a run at the chosen lr and warm-up with
+    ``abstain_below`` τ on its grid ranks better."""
     out = {}
-    for m in sorted({r["method"] for r in rows}):
-        grid = [r for r in rows if r["method"] == m and r["warmup"] == WARMUP and r["lr"] in GRID]
+    plain = [r for r in rows if r["abstain_below"] == 0.0]
+    for m in sorted({r["method"] for r in plain}):
+        grid = [r for r in plain if r["method"] == m and r["warmup"] == WARMUP and r["lr"] in GRID]
         if not grid:
             continue
         best = min(grid, key=_rank)
-        alt = [r for r in rows if r["method"] == m and r["warmup"] == WARMUP_ALT and r["lr"] == best["lr"]]
+        alt = [r for r in plain if r["method"] == m and r["warmup"] == WARMUP_ALT and r["lr"] == best["lr"]]
         if alt and _rank(alt[0]) < _rank(best):
             best = alt[0]
         out[m] = {"lr": best["lr"], "warmup": best["warmup"], "warmup_searched": bool(alt)}
+        if m.startswith("d-local"):
+            taus = [r for r in rows if r["method"] == m and r["abstain_below"] in ABSTAIN_GRID
+                    and (r["lr"], r["warmup"]) == (best["lr"], best["warmup"])]
+            top = min(taus, key=_rank, default=None)
+            take = top is not None and _rank(top) < _rank(best)
+            out[m].update(abstain_below=top["abstain_below"] if take else 0.0, abstain_searched=len(taus))
     return out
 
 
@@ -75,16 +91,19 @@ def main(argv=None) -> int:
     chosen = choose(rows)
     doc = {"rule": "seed 100 only; stage 1: warm-up 30 %, Lion lr in {1e-4, 2e-4, 3e-4} (AdamW 10x), per method the "
                    "lr with the fewest steps to the target, ties and misses broken by the lowest validation loss; "
-                   "stage 2: the chosen lr with a 10 % warm-up, kept only if it ranks better",
+                   "stage 2: the chosen lr with a 10 % warm-up, kept only if it ranks better; stage 3 (d-local-* only): "
+                   "the chosen lr and warm-up with abstain_below in {0.25, 0.5, 1}, taken only if it ranks better than 0",
            "target": args.target, "rows": rows, "chosen": chosen}
     lines = [f"held-out rule, seed {SEED}, target {args.target} (steps: first evaluation at or below it); "
              "lr is Lion's (AdamW runs at 10x)",
-             f"{'method':24s} {'lr':>7s} {'warm-up':>8s} {'steps to target':>16s} {'best loss':>10s} {'final':>8s}"]
-    for r in sorted(rows, key=lambda r: (r["method"], -r["warmup"], r["lr"])):
+             f"{'method':24s} {'lr':>7s} {'warm-up':>8s} {'abstain':>8s} {'steps to target':>16s} {'best loss':>10s} "
+             f"{'final':>8s}"]
+    for r in sorted(rows, key=lambda r: (r["method"], -r["warmup"], r["lr"], r["abstain_below"])):
         c = chosen.get(r["method"], {})
-        mark = "  <- chosen" if (c.get("lr"), c.get("warmup")) == (r["lr"], r["warmup"]) else ""
-        lines.append(f"{r['method']:24s} {r['lr']:7.0e} {r['warmup']:8.2f} {str(r['steps_to_target'] or 'never'):>16s} "
-                     f"{r['best_loss']:10.4f} {r['final_loss']:8.4f}{mark}")
+        mark = "  <- chosen" if (c.get("lr"), c.get("warmup"), c.get("abstain_below", 0.0)) == (
+            r["lr"], r["warmup"], r["abstain_below"]) else ""
+        lines.append(f"{r['method']:24s} {r['lr']:7.0e} {r['warmup']:8.2f} {r['abstain_below']:8.2f} "
+                     f"{str(r['steps_to_target'] or 'never'):>16s} {r['best_loss']:10.4f} {r['final_loss']:8.4f}{mark}")
     unsearched = [m for m, c in chosen.items() if not c["warmup_searched"]]
     if unsearched:
         lines.append(f"warm-up not searched yet (no 10 % run at the chosen lr): {', '.join(unsearched)}")
