@@ -331,6 +331,31 @@ def test_e2e_local_dlion_sends_one_1bit_vote_per_round(tmp_path):
             assert rows[m]["sync_every"] == h and rows[m]["samples"] == 2 * steps
 
 
+def test_e2e_abstain_below_reaches_the_local_vote(tmp_path, capsys):
+    """--abstain-below τ is LocalDistributedLion(abstain_below=τ): with τ far above any round's
+    progress every rank abstains everywhere, so the first round's loss is the same and the last
+    differs from τ = 0 (ties zero: the anchor never moves), while the round still sends its 1-bit
+    signs (abstentions travel as zero runs beside them, they save nothing); τ is recorded in the
+    config, and refused without a local method or below 0."""
+    h, steps, rows = 2, 4, {}
+    for tau in ("0", "1e9"):
+        assert e2e.main(_tiny(tmp_path / tau, 2, ["compute", "d-local-mavo"], "--steps", str(steps), "--warmup", "2",
+                              "--sync-every", str(h), "--abstain-below", tau)) == 0
+        doc = json.loads((tmp_path / tau / "e2e_results.json").read_text())
+        assert doc["config"]["abstain_below"] == float(tau)
+        rows[tau] = {r["method"]: r for r in doc["results"]}["d-local-mavo"]
+    assert rows["1e9"]["loss_first"] == rows["0"]["loss_first"]
+    assert rows["1e9"]["loss_last"] != rows["0"]["loss_last"]
+    n = rows["0"]["params"]
+    assert n / 8 / h <= rows["1e9"]["bytes_sent_per_rank_per_step"] <= (1.05 * n / 8 + 2 * 64 * 2 * 8) / h
+    for bad, msg in ((["d-local-mavo", "--abstain-below", "-1"], "--abstain-below must be >= 0"),
+                     (["d-local-mavo", "--abstain-below", "nan"], "--abstain-below must be >= 0"),
+                     (["diloco-lion", "--abstain-below", "0.5"], "applies to the local vote only")):
+        with pytest.raises(SystemExit):
+            e2e.main(["--loopback", "--methods", *bad])
+        assert msg in capsys.readouterr().err
+
+
 def test_e2e_diloco_all_reduces_every_parameter_once_per_round(tmp_path):
     """diloco-* on 3 ranks, H = 2: one ring all-reduce of every parameter per round, 2(N-1)/N × 4
     bytes (fp32) or 2 (bf16) per parameter, ÷ H per step."""

@@ -445,3 +445,9 @@ def test_ttq_sync_warmup_syncs_the_first_steps_and_is_not_composed_with_one_step
     with pytest.raises(SystemExit, match="--abstain-below 0.5"):  # (abstentions change the bytes)
         ttq._step_times(str(path), {**cfg, "abstain_below": 0.5, "methods": ["d-local-mavo"]}, 4)
     assert ttq._step_times(str(path), {**cfg, "methods": ["d-local-mavo"]}, 4)[0] == {"d-local-mavo": {"50mbit": 20.0}}
+    # an e2e file measured with the same --abstain-below composes (dlion bench e2e --abstain-below 0.5)
+    path.write_text(json.dumps({**e2e, "config": {**cfg, "abstain_below": 0.5}}))
+    assert ttq._step_times(str(path), {**cfg, "abstain_below": 0.5, "methods": ["d-local-mavo"]}, 4)[0] == {
+        "d-local-mavo": {"50mbit": 20.0}}
+    with pytest.raises(SystemExit, match="--abstain-below 0.0"):
+        ttq._step_times(str(path), {**cfg, "methods": ["d-local-mavo"]}, 4)

@@ -47,7 +47,7 @@ import torch
 
 from dlion.lab.cluster import rate_key
 
-from .e2e.methods import takes_ties
+from .e2e.methods import add_abstain_arg, takes_ties
 
 DEFAULT_METHODS = ("g-lion,g-adamw,g-lion-bf16,g-lion-powersgd1,g-lion-powersgd2,g-lion-powersgd4,"
                    "g-adamw-powersgd1,g-adamw-powersgd2,g-adamw-powersgd4,d-mavo-1bit-ov,d-avg-1bit-ov,"
@@ -308,9 +308,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--sync-warmup", type=int, default=0, metavar="K",
                     help="d-local-*: the first K steps each end a round (LocalDistributedLion(sync_warmup=K)); "
                          "such curves are not composed with --step-times (one step time cannot cover both phases)")
-    ap.add_argument("--abstain-below", type=float, default=0.0, metavar="TAU",
-                    help="d-local-*: a rank abstains where its round's progress is below TAU times the round's summed "
-                         "lr (LocalDistributedLion(abstain_below=TAU)); default 0")
+    add_abstain_arg(ap)
     ap.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer Nesterov SGD lr (default 0.7)")
     ap.add_argument("--quant-bits", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
@@ -451,8 +449,6 @@ def main(argv: list[str]) -> int:
     methods = methods_from_args(ap, args)
     if args.sync_warmup < 0:
         ap.error(f"--sync-warmup must be >= 0, got {args.sync_warmup}")
-    if not args.abstain_below >= 0:
-        ap.error(f"--abstain-below must be >= 0, got {args.abstain_below}")
     if "g-lion" not in methods and args.target is None:
         methods = ["g-lion"] + methods  # the reference that defines L (with --target, only if asked for)
     cfg = {"n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head, "block_size": args.block_size,

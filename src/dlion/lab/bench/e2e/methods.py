@@ -87,14 +87,26 @@ FIRST_BUCKET_MB = 2.0  # -fb methods: on CharGPT the one block-5 MLP matrix, lik
 PROFILE_RANGES = ("dlion.contribute", "dlion.exchange", "dlion.apply")
 
 
+def add_abstain_arg(ap) -> None:
+    """``--abstain-below TAU`` for e2e and ttq alike (checked by :func:`methods_from_args`)."""
+    ap.add_argument("--abstain-below", type=float, default=0.0, metavar="TAU",
+                    help="d-local-*: a rank abstains where its round's progress is below TAU times the round's summed "
+                         "lr (LocalDistributedLion(abstain_below=TAU)); default 0")
+
+
 def methods_from_args(ap, args) -> list[str]:
-    """``--methods`` parsed and ``--sync-every`` checked, or the parser's error (for e2e and ttq)."""
+    """``--methods`` parsed, ``--sync-every`` and ``--abstain-below`` checked, or the parser's error (for e2e
+    and ttq)."""
     try:
         methods = parse_methods(args.methods)
     except ValueError as e:
         ap.error(str(e))
     if args.sync_every < 1:
         ap.error(f"--sync-every must be >= 1, got {args.sync_every}")
+    if not args.abstain_below >= 0:
+        ap.error(f"--abstain-below must be >= 0, got {args.abstain_below}")
+    if args.abstain_below and not set(methods) & set(LOCAL):
+        ap.error("--abstain-below applies to the local vote only: add d-local-mavo or d-local-mavo-st to --methods")
     return methods
 
 
