@@ -61,6 +61,11 @@ def test_ttq_loopback_smoke(tmp_path, capsys):
     d, v, t = 32, 84, 64
     params = v * d + t * d + (2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d)) + 2 * d
     assert params == 17_504 and all(r["params"] == params for r in doc["runs"].values())
+    # bits one rank sent per parameter per step, over the run: G-Lion all-reduces every fp32 gradient
+    # (ring: 2(N−1)/N × 32 bits = 32 at N = 2); D-Lion, ties zero, for half the coordinates 1 bit up
+    # and a base-3 digit back (log2 3 bits: a tie of 2 votes is a 0), plus headers
+    assert doc["runs"]["g-lion"]["bits_sent_per_param_per_step"] == 32.0
+    assert (1 + math.log2(3)) / 2 <= doc["runs"]["d-mavo-1bit-ov"]["bits_sent_per_param_per_step"] <= 1.4
     assert doc["composed"]["target_loss"] == doc["curves"]["g-lion"][-1][1]  # (L: G-Lion's final loss)
     assert "target L = 4." in capsys.readouterr().out
 
@@ -392,6 +397,15 @@ def test_ttq_local_methods_evaluate_the_anchor(tmp_path):
         assert c[m][2] == c[m][0]  # no sync yet: the agreed parameters are the initial ones
         assert c[m][6] != c[m][0]
     assert c["d-local-mavo-st"][4] == c["d-local-mavo-st"][0] != c["d-local-mavo"][4]
+    # bits one rank sent per parameter per step over the whole run (2 syncs in 6 steps, N = 2):
+    # the local vote 1 bit up and 1 back for half the coordinates (+ headers), the streaming one
+    # the same (its last round, flushed after the last step, counts); DiLoCo one fp32 ring all-reduce
+    bits = {m: r["bits_sent_per_param_per_step"] for m, r in doc["runs"].items()}
+    n = doc["runs"]["d-local-mavo"]["params"]
+    for m in ("d-local-mavo", "d-local-mavo-st"):  # (headers: at most 2 blocks × 64 words × 2 ways per sync)
+        assert 2 * 0.5 / 3 <= bits[m] <= 8 * (1.05 * n / 8 + 2 * 64 * 2 * 8) / n / 3, (m, bits[m])
+    assert bits["d-local-mavo-st"] == bits["d-local-mavo"]
+    assert bits["diloco-adamw"] == pytest.approx(2 * 0.5 * 32 / 3)
 
 
 def test_step_times_of_another_sync_every_are_refused_for_local_methods(tmp_path):

@@ -90,6 +90,7 @@ def train_rank(rank: int, world: int, cfg: dict, emit: Callable[[dict], None]) -
     train_ids, val_ids, vocab = load_shakespeare()
     val = _val_batches(val_ids, cfg) if rank == 0 else []
     inst = Instrument()
+    inst.install()  # counts the DDP methods' all-reduce bytes (the others count their own)
     for method in cfg["methods"]:
         run = MethodRun(method, rank, cfg, len(vocab), inst)
         base = [g["lr"] for g in run.opt.param_groups]
@@ -118,11 +119,13 @@ def train_rank(rank: int, world: int, cfg: dict, emit: Callable[[dict], None]) -
                     with agreed():
                         curve.append((step + 1, evaluate(run.model, val)))
         dist.barrier()
+        run.end_measure()  # a last exchange in flight counts too
+        sent = run.result()["bytes_sent_per_step"]  # this rank's, over every step of the run (every rank calls it)
         if hasattr(run.opt, "check_replicas"):
             run.opt.check_replicas()
         if rank == 0:
             emit({"method": method, "curve": curve, "train_s": train_s, "params": run.params,
-                  "optimizer_state_bytes": _state_bytes(run.opt),
+                  "optimizer_state_bytes": _state_bytes(run.opt), "bytes_sent_per_step": sent,
                   "median_step_ms": 1e3 * sorted(run.step_s)[len(run.step_s) // 2], "step_s": run.step_s})
         del run
 
@@ -513,7 +516,8 @@ def main(argv: list[str]) -> int:
                                 on_tick=None if bar is None else lambda: bar.update(1))
         curves = {d["method"]: [tuple(p) for p in d["curve"]] for d in per_rank[0]}
         extra = {d["method"]: {"train_s": d["train_s"], "loopback_median_step_ms": d["median_step_ms"],
-                               "params": d["params"], "optimizer_state_bytes": d["optimizer_state_bytes"]}
+                               "params": d["params"], "optimizer_state_bytes": d["optimizer_state_bytes"],
+                               "bits_sent_per_param_per_step": 8 * d["bytes_sent_per_step"] / d["params"]}
                  for d in per_rank[0]}
         if stored is not None:  # --extend: the earlier curves first, then the new ones
             curves = {**{m: [tuple(p) for p in c] for m, c in stored["curves"].items()}, **curves}

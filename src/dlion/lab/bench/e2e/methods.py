@@ -390,6 +390,7 @@ class MethodRun:
         self.step_s: list[float] = []
         self.fwd_bwd_s: list[float] = []
         self.losses: list[float] = []
+        self.profile_ms: dict[str, float] = {}  # (filled by profile(); a run that never profiles has none)
         self._start: Optional[tuple] = None
 
     def step(self, x, y, measure: bool) -> None:
