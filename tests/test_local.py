@@ -354,6 +354,10 @@ def failing_worker(rank, world, kind):
                 params[0].grad = params[0].grad.to_sparse()
             elif kind == "lr":
                 opt.param_groups[0]["lr"] = 2 * LR
+            elif kind == "abstain_below":  # (the same rounds, another contribution rule on one rank)
+                opt.abstain_below = 0.5
+            elif kind == "sync_every":  # rank 1's round ends after step 2, the others' after step 3
+                opt.sync_every = 2
             else:
                 params[0].grad[0, 0] = float("nan") if kind == "nan" else float("inf")
         try:
@@ -366,6 +370,8 @@ def failing_worker(rank, world, kind):
 @pytest.mark.parametrize("kind, error, message", [
     ("sparse", ("ValueError", "RuntimeError"), "sparse|rejected"),
     ("lr", ("ValueError",), "disagree"),
+    ("abstain_below", ("ValueError",), "disagree on .*abstain_below"),
+    ("sync_every", ("ValueError",), "disagree on .*sync_every"),
     ("raise", ("FloatingPointError",), "inf/NaN"),
 ])
 def test_a_bad_round_on_one_rank_raises_on_every_rank_at_the_sync_and_applies_nothing(kind, error, message):

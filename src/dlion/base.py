@@ -388,6 +388,9 @@ class DistributedBase(Lion, Joinable):
         self._count_step()
         return loss
 
+    #: what :meth:`_digest` covers, as the error names it
+    _digested = "lr, betas, weight_decay or maximize"
+
     def _digest(self, group: dict) -> int:
         """31-bit digest of the per-step hyperparameters a rank applies to a group."""
         b1, b2 = group["betas"]
@@ -429,7 +432,7 @@ class DistributedBase(Lion, Joinable):
                                "no rank changed any parameter or momentum.")
         if not digests_agree:
             raise ValueError(
-                f"{who}: ranks disagree on lr, betas, weight_decay or maximize at step {step_no} (e.g. an "
+                f"{who}: ranks disagree on {self._digested} at step {step_no} (e.g. an "
                 "LR scheduler stepped on one rank only); no rank changed anything.")
         if not nonfinite:
             self._skips_in_a_row = 0

@@ -220,11 +220,15 @@ class LocalDistributedLion(DistributedLion):
             s.mul_(c.abs() >= self.abstain_below * self._flight_sum(group))
         return s
 
+    _digested = "lr, betas, weight_decay, maximize, sync_every, sync_warmup or abstain_below"
+
     def _digest(self, group: dict) -> int:
-        """The outer step α·S, β and weight decay must agree on every rank (e.g. one rank's lr schedule ahead)."""
+        """The outer step α·S, β, weight decay and the round's options must agree on every rank (e.g. one
+        rank's lr schedule ahead, or ``sync_every`` changed on one rank: its rounds end elsewhere)."""
         b1, b2 = group["betas"]
-        raw = struct.pack("<ddddd?", self._outer_lr(group), float(b1), float(b2), float(group["weight_decay"]),
-                          float(group["lr"]), bool(group["maximize"]))
+        raw = struct.pack("<ddddd?qqd", self._outer_lr(group), float(b1), float(b2), float(group["weight_decay"]),
+                          float(group["lr"]), bool(group["maximize"]), int(self.sync_every), int(self.sync_warmup),
+                          float(self.abstain_below))
         return zlib.crc32(raw) & 0x7FFFFFFF
 
     def _input_error(self, k: int) -> Optional[Exception]:
