@@ -261,6 +261,23 @@ def test_across_seeds_keeps_methods_run_at_different_warmup_apart():
     assert "(lr 0.0001, warm-up 0.1): steps to L 450 / never; reached in 1 of 2" in ttq_seeds.table(s)
 
 
+def test_across_seeds_keeps_the_local_vote_with_abstentions_apart():
+    """The local vote trained with --abstain-below τ (the same lr and warm-up) is a row of its own,
+    labelled with τ; other methods' τ is not a setting of theirs."""
+    from dlion.lab.bench import ttq_seeds
+
+    plain = {"d-local-mavo": (900, 2.0, {"1gbit": 10.0})}
+    docs = [_seed_doc(0, plain), _seed_doc(1, plain)]
+    for k, st in ((0, 800), (1, None)):
+        d = _seed_doc(k, {"d-local-mavo": (st, 2.1, {"1gbit": 11.0}), "g-lion": (500, 1.9, {"1gbit": 30.0})})
+        d["config"]["abstain_below"] = 0.5
+        docs.append(d)
+    s = ttq_seeds.summarize(docs)
+    assert list(s["methods"]) == ["d-local-mavo", "d-local-mavo|abstain_below=0.5", "g-lion"]
+    assert s["methods"]["d-local-mavo|abstain_below=0.5"]["steps_to_target"] == [800, None]
+    assert "Local D-Lion MaVo 1bit (abstain_below 0.5): steps to L 800 / never" in ttq_seeds.table(s)
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(target=2.0), "targets differ"), (dict(seed=0), "seeds repeat"), (dict(steps=2000), "steps")])
 def test_across_seeds_refuses_runs_that_are_not_one_experiment(change, message):
