@@ -40,6 +40,24 @@ def test_vote_round_ties_and_no_error_feedback():
     torch.testing.assert_close(A, torch.tensor([-0.5 * float(coin[0]), 0.5, -0.5], dtype=F64))
 
 
+def test_vote_round_abstains_below_the_threshold_and_keeps_that_residual_whole():
+    # the first test's numbers with abstain_below = τ·S = 0.55: e + d = [[0.6, −0.7], [−0.5, 1.0], [1.3, 0.05]]
+    A = torch.tensor([1.0, 0.0], dtype=F64)
+    x = torch.tensor([[0.5, 0.5], [1.5, -1.0], [0.0, 0.25]], dtype=F64)
+    e = torch.tensor([[0.1, -0.2], [0.0, 0.0], [0.3, 0.3]], dtype=F64)
+    vote_round([A], [x], [e], 0.1, abstain_below=0.55)
+    # |e + d| ≥ 0.55 → s = [[1, −1], [0, 1], [1, 0]]; mean|e + d| = 0.65, 0.75, 0.675 as before:
+    # e = [[0.6 − 0.65, −0.7 + 0.65], [−0.5, 1.0 − 0.75], [1.3 − 0.675, 0.05]]
+    torch.testing.assert_close(e, torch.tensor([[-0.05, -0.05], [-0.5, 0.25], [0.625, 0.05]], dtype=F64))
+    # Σ s = [2, 0] → Δ = [1, 0] (a tie, ties zero): A = [1, 0] − 0.1·[1, 0]
+    torch.testing.assert_close(A, torch.tensor([0.9, 0.0], dtype=F64))
+    # without error feedback: signs of d = [[0.5, −0.5], [−0.5, 1.0], [1.0, −0.25]], |d| ≥ 0.6 → [[0, 0], [0, 1], [1, 0]]
+    A = torch.tensor([1.0, 0.0], dtype=F64)
+    x = torch.tensor([[0.5, 0.5], [1.5, -1.0], [0.0, 0.25]], dtype=F64)
+    vote_round([A], [x], None, 0.1, abstain_below=0.6)
+    torch.testing.assert_close(A, torch.tensor([0.9, -0.1], dtype=F64))
+
+
 def test_vote_round_with_lion_outer_momentum_is_the_literal_arithmetic():
     # 2 workers, no error feedback; Δ = [0, −1, 1] as above; M = [0.5, 0.2, −0.1], β1 = 0.9, β2 = 0.5
     A = torch.zeros(3, dtype=F64)
@@ -160,7 +178,9 @@ def test_bits_formulas():
     assert diloco_bits(4, 10, 16) == pytest.approx(2.4)
     assert diloco_bits(8, 100) == pytest.approx(0.56)
     # counted by the methods: 25 steps at H = 10 → syncs after steps 10, 20, 25
-    for spec, per_sync in (("dlocal_mavo:10", 1.95), ("diloco_adamw:10", 48.0), ("diloco_lion_bf16:10", 24.0)):
+    # with abstentions (ab): base-3 digits (8/5 bits) both ways, even with random ties
+    for spec, per_sync in (("dlocal_mavo:10", 1.95), ("dlocal_mavo:10:ab=0.5:ties=random", 0.75 * 1.6 * 2),
+                           ("diloco_adamw:10", 48.0), ("diloco_lion_bf16:10", 24.0)):
         p = [torch.zeros(3, 2), torch.zeros(5)]
         m = make_method(spec, p, 4, {"lr": 0.01, "weight_decay": 0.0}, "charlm", 0, 25)
         for _ in range(25):
@@ -180,7 +200,12 @@ def test_local_specs():
     assert canonical("diloco_lion:10:outer_lr=0.7") == "diloco_lion:10"  # the default is not written
     assert canonical("diloco_lion:10:outer_lr=0.1") == "diloco_lion:10:outer_lr=0.1"
     assert local_options("dlocal_mavo:5:ef=0") == {"H": 5, "alpha": 1.0, "ef": 0, "ties": "zero", "ob1": 0.0,
-                                                   "ob2": 0.0}
+                                                   "ob2": 0.0, "ab": 0.0}
+    assert canonical("dlocal_mavo:10:ab=0.5:ties=random") == "dlocal_mavo:10:ties=random:ab=0.5"
+    assert canonical("dlocal_mavo:10:ab=0") == "dlocal_mavo:10"
+    assert label("dlocal_mavo:10:ab=0.5") == "D-Local MaVo H=10, abstain below 0.5·S"
+    with pytest.raises(ValueError, match="bad ab"):
+        local_options("dlocal_mavo:10:ab=-1")
     assert label("dlocal_mavo:5:ef=0") == "D-Local MaVo H=5, no EF"
     assert label("diloco_adamw_bf16:50") == "DiLoCo (AdamW, bf16) H=50"
     assert family("diloco_adamw:10") == "adamw" and family("diloco_lion_bf16:10") == "lion"
@@ -259,3 +284,14 @@ def test_local_plot_summarises_and_draws(tmp_path):
     assert rows["diloco_lion:10:outer_lr=0.1"]["line"] == "diloco_lion:outer_lr=0.1"
     assert (tmp_path / "out" / "final_vs_bits.png").stat().st_size > 0
     assert (tmp_path / "out" / "summary.csv").read_text().startswith("method,label,kind")
+
+
+def test_the_ab_option_reaches_the_vote():
+    # τ far above any round's progress: every worker abstains everywhere, ties zero → Δ = 0, the anchor stays
+    for spec, moves in (("dlocal_mavo:2:ab=1e9", False), ("dlocal_mavo:2", True)):
+        p = [torch.zeros(3, 2)]
+        m = make_method(spec, p, 3, {"lr": 0.01, "weight_decay": 0.0}, "charlm", 0, 4)
+        for _ in range(2):
+            m.step([torch.randn(3, 3, 2, generator=torch.Generator().manual_seed(1))])
+        assert m.syncs == 1 and bool(p[0].abs().sum() > 0) == moves, spec
+        assert m.record()["abstain_below"] == (1e9 if not moves else 0.0)

@@ -58,9 +58,15 @@ def diloco_bits(world_size: int, H: float, bits: int = 32) -> float:
     return ring_allreduce_bits(1.0, bits, world_size) / H
 
 
+def _kept(c: Tensor, threshold: float) -> Tensor:
+    """sign(c), 0 where |c| < threshold."""
+    s = torch.sign(c)
+    return s.mul_(c.abs() >= threshold) if threshold else s
+
+
 def vote_round(anchor: Sequence[Tensor], workers: Sequence[Tensor], errors: Optional[Sequence[Tensor]],
                scale: float, ties: str = "zero", generator: Optional[torch.Generator] = None,
-               outer: Optional[tuple] = None) -> None:
+               outer: Optional[tuple] = None, abstain_below: float = 0.0) -> None:
     """One sync of ``dlocal_mavo``, in place, per parameter tensor (A: shape S, x and e: (N, *S)):
 
         d_i = A − x_i
@@ -72,7 +78,9 @@ def vote_round(anchor: Sequence[Tensor], workers: Sequence[Tensor], errors: Opti
         A ← A − scale·Δ;    x_i ← A
 
     ``scale`` = α·S with S the sum of the round's learning rates. A sign of 0 (only where
-    e_i, or d_i, is exactly 0) counts as an abstention.
+    e_i, or d_i, is exactly 0) counts as an abstention. ``abstain_below`` = τ·S > 0 (the library's
+    ``LocalDistributedLion(abstain_below=τ)``): s_i = 0 also where |e_i| (or |d_i|) < τ·S, before the
+    residual update, which then keeps e_i whole there.
 
     ``outer = (β1, β2, M)`` (an experiment: Lion's own rule on the votes, no extra bits): the step is
     u = sign(β1·M + (1 − β1)·Δ) instead of Δ, then M ← β2·M + (1 − β2)·Δ (M per tensor, identical on
@@ -82,11 +90,11 @@ def vote_round(anchor: Sequence[Tensor], workers: Sequence[Tensor], errors: Opti
         if errors is not None:
             e = errors[k]
             e.add_(d)
-            s = torch.sign(e)
+            s = _kept(e, abstain_below)
             mag = e.abs().mean(dim=tuple(range(1, e.dim())), keepdim=True) if e.dim() > 1 else e.abs()
             e.sub_(mag * s)
         else:
-            s = torch.sign(d)
+            s = _kept(d, abstain_below)
         total = s.sum(0)
         delta = torch.sign(total)
         if ties == "random":
@@ -181,10 +189,12 @@ class LocalVote(LocalMethod):
 
     Bits one rank sends per parameter per step (:func:`local_vote_bits`):
     ((N−1)/N · 1 + (N−1)/N · b_down) / H, b_down = 1 (N odd or random ties) or 1.6
-    (5 trits per byte)."""
+    (5 trits per byte). With ``abstain_below`` τ > 0 (abstain where |e_i| < τ·S) the scattered
+    abstentions go as base-3 digits both ways, 1.6 bits each (the library's steady state)."""
 
     def __init__(self, params, world_size, H, hp, betas, seed, total_steps, *, alpha: float = 1.0,
-                 error_feedback: bool = True, ties: str = "zero", outer_betas: tuple = (0.0, 0.0)):
+                 error_feedback: bool = True, ties: str = "zero", outer_betas: tuple = (0.0, 0.0),
+                 abstain_below: float = 0.0):
         super().__init__(params, world_size, H, hp, betas, "lion", total_steps)
         if ties not in ("zero", "random"):
             raise ValueError(f"ties must be 'zero' or 'random', got {ties!r}")
@@ -194,19 +204,21 @@ class LocalVote(LocalMethod):
         self.generator = torch.Generator().manual_seed(seed)
         self.outer_betas = tuple(float(b) for b in outer_betas)
         self.outer_moms = [torch.zeros_like(p) for p in self.params] if self.outer_betas[0] > 0 else None
+        self.abstain_below = float(abstain_below)
 
     def sync(self) -> None:
         outer = (*self.outer_betas, self.outer_moms) if self.outer_moms is not None else None
         vote_round(self.params, self.workers, self.errors, self.alpha * self.round_lr_sum, self.ties,
-                   self.generator, outer)
+                   self.generator, outer, abstain_below=self.abstain_below * self.round_lr_sum)
         d, N = self.bits_counter.num_params, self.world_size
-        b_down = 1.0 if (N % 2 == 1 or self.ties == "random") else TRIT_BITS
-        self.bits_counter.add("all_to_all signs (1 bit)", alltoall_bits(d, N))
+        b_down = 1.0 if (N % 2 == 1 or self.ties == "random") and not self.abstain_below else TRIT_BITS
+        b_up = TRIT_BITS if self.abstain_below else 1.0
+        self.bits_counter.add(f"all_to_all signs ({b_up:g} bits)", alltoall_bits(d * b_up, N))
         self.bits_counter.add(f"all_gather vote ({b_down:g} bits)", alltoall_bits(d * b_down, N))
 
     def record(self) -> dict:
         return dict(super().record(), alpha=self.alpha, error_feedback=self.errors is not None, ties=self.ties,
-                    outer_betas=list(self.outer_betas))
+                    outer_betas=list(self.outer_betas), abstain_below=self.abstain_below)
 
 
 class DiLoCo(LocalMethod):

@@ -92,7 +92,7 @@ LOCAL_METHODS = ("dlocal_mavo", "diloco_adamw", "diloco_lion", "diloco_adamw_bf1
 ALL_METHODS = METHODS + LOCAL_METHODS
 DEFAULT_H = 10
 # options of a local-step spec, in their canonical order, with defaults
-LOCAL_OPTIONS = {"dlocal_mavo": {"alpha": 1.0, "ef": 1, "ties": "zero", "ob1": 0.0, "ob2": 0.0},
+LOCAL_OPTIONS = {"dlocal_mavo": {"alpha": 1.0, "ef": 1, "ties": "zero", "ob1": 0.0, "ob2": 0.0, "ab": 0.0},
                  **{b: {"outer_lr": 0.7, "outer_momentum": 0.9} for b in LOCAL_METHODS if b.startswith("diloco")}}
 # the every-step method whose tuned lr / weight decay a local-step method takes by default
 LOCAL_TWIN = {"dlocal_mavo": "glion", "diloco_adamw": "gadamw", "diloco_adamw_bf16": "gadamw",
@@ -122,7 +122,8 @@ FAMILY = {"glion": "lion", "dlion_avg": "lion", "dlion_mavo": "lion", "dlion_mav
 def local_options(spec: str) -> dict:
     """H and the options of a local-step spec ``BASE[:H[:key=value]...]``, defaults filled in:
     ``local_options("dlocal_mavo:25:ef=0")`` → {"H": 25, "alpha": 1.0, "ef": 0, "ties": "zero", "ob1": 0.0,
-    "ob2": 0.0} (``ob1``, ``ob2``: Lion's two betas on the votes, off at 0; an experiment)."""
+    "ob2": 0.0, "ab": 0.0} (``ob1``, ``ob2``: Lion's two betas on the votes, off at 0; an experiment; ``ab``:
+    ``abstain_below``, τ)."""
     base, *fields = spec.split(":")
     if base not in LOCAL_METHODS:
         raise ValueError(f"{base!r} is no local-step method ({', '.join(LOCAL_METHODS)})")
@@ -153,7 +154,8 @@ def local_options(spec: str) -> dict:
                 v = float(value)
             except ValueError:
                 v = float("nan")
-            ok = 0 <= v < 1 if key in ("outer_momentum", "ob1", "ob2") else v > 0
+            ok = (0 <= v < 1 if key in ("outer_momentum", "ob1", "ob2") else 0 <= v < float("inf") if key == "ab"
+                  else v > 0)
             if not ok:
                 raise ValueError(f"bad {key} in {spec!r}")
             out[key] = v
@@ -278,6 +280,8 @@ def label(spec: str, legacy: bool = False) -> str:
             text += ", no EF"
         if opts.get("ties", "zero") == "random":
             text += ", random ties"
+        if opts.get("ab", 0.0):
+            text += f", abstain below {opts['ab']:g}·S"
         if opts.get("outer_lr", 0.7) != 0.7:
             text += f", outer lr {opts['outer_lr']:g}"
         if opts.get("outer_momentum", 0.9) != 0.9:
@@ -458,7 +462,8 @@ def make_method(spec, params, world_size, hp, task_name, seed, total_steps):
         o = local_options(spec)
         if name == "dlocal_mavo":
             return L.LocalVote(params, world_size, o["H"], hp, betas, seed, total_steps, alpha=o["alpha"],
-                               error_feedback=bool(o["ef"]), ties=o["ties"], outer_betas=(o["ob1"], o["ob2"]))
+                               error_feedback=bool(o["ef"]), ties=o["ties"], outer_betas=(o["ob1"], o["ob2"]),
+                               abstain_below=o["ab"])
         return L.DiLoCo(params, world_size, o["H"], hp, betas, seed, total_steps,
                         inner="adamw" if "adamw" in name else "lion", bf16=name.endswith("_bf16"),
                         outer_lr=o["outer_lr"], outer_momentum=o["outer_momentum"])
