@@ -37,7 +37,9 @@ from typing import Optional
 
 from .ttq_seeds import summarize
 
-#: (panel key, title, e2e result, [(method key, label, per-seed composed files, seeds)])
+#: (panel key, title, e2e result, [(method key, label, per-seed composed files, seeds[, extras])]); extras:
+#: "e2e", the result a method's step times came from where it is not the panel's (another run of e2e,
+#: e.g. with --abstain-below), "key" (the row's name where the method has two rows) and "color"
 PANELS = (
     ("this-host", "this host: 4 ranks on 2 CPU cores", "e2e-peers-ov/e2e_results.json", [
         ("g-lion", "G-Lion (DDP, fp32 gradients)", "ttq-peers-ov/glion-seed{}/ttq_results.json", range(5)),
@@ -49,6 +51,9 @@ PANELS = (
         ("g-adamw-powersgd4-ov", "PowerSGD rank 4 + AdamW", "ttq-heldout-x16/psgd4-w0.1-seed{}/ttq_results.json", range(5)),
         ("d-mavo-1bit-ov-rt", "D-Lion MaVo", "ttq-heldout-x16/dlion-seed{}/ttq_results.json", range(5)),
         ("d-local-mavo", "Local D-Lion MaVo, H = 10", "ttq-heldout-x16/dlocal-seed{}/ttq_results.json", range(5)),
+        ("d-local-mavo", "Local D-Lion MaVo, H = 10, abstain_below 0.5", "ttq-heldout-x16/dlocal-ab0.5-seed{}/ttq_results.json",
+         range(5), {"key": "d-local-mavo-ab0.5", "e2e": "e2e-local-x16-ab0.5/warmup13/e2e_results.json",
+                    "color": "tab:olive"}),
         ("diloco-adamw", "DiLoCo AdamW, H = 10", "ttq-heldout-x16/diloco-seed{}/ttq_results.json", range(1)),
     ]),
 )
@@ -94,12 +99,14 @@ def curve_band(curves: list[list], step_ms: float) -> list[dict]:
 
 def panel(results: str, key: str, title: str, e2e_path: str, methods: list, link: str,
           target: Optional[float]) -> dict:
-    e2e = _load(os.path.join(results, e2e_path))
-    docs, rows = [], []
-    for method, label, pattern, seeds in methods:
+    groups: dict = {}  # e2e path -> the composed results whose step times came from it
+    rows = []
+    for method, label, pattern, seeds, *extras in methods:
+        extra = extras[0] if extras else {}
+        e2e = _load(os.path.join(results, extra.get("e2e", e2e_path)))
         files = [os.path.join(results, pattern.format(k)) for k in seeds]
         mdocs = [_load(p) for p in files]
-        docs += mdocs
+        groups.setdefault(extra.get("e2e", e2e_path), []).extend(mdocs)
         step_ms = {d["step_times_ms"][method][link] for d in mdocs}
         if len(step_ms) != 1:
             raise ValueError(f"{method}: the seeds were composed with different step times")
@@ -108,17 +115,22 @@ def panel(results: str, key: str, title: str, e2e_path: str, methods: list, link
         measured = {r["link"]: r for r in e2e["results"] if r["method"] == method}
         # the composed step time is the e2e mean (÷ the emulated speed-up): check it is this file's
         if not any(abs(r["ms_mean"] / speedup - ms) < 1e-6 * ms for r in measured.values()):
-            raise ValueError(f"{method}: its composed step time {ms:.3f} ms is not in {e2e_path}")
-        rows.append({"method": method, "label": label, "seeds": [d["config"]["seed"] for d in mdocs],
+            raise ValueError(f"{method}: its composed step time {ms:.3f} ms is not in {extra.get('e2e', e2e_path)}")
+        rows.append({"key": extra.get("key", method), "method": method, "label": label,
+                     "seeds": [d["config"]["seed"] for d in mdocs],
+                     "color": extra.get("color", COLORS.get(method)), "e2e": extra.get("e2e", e2e_path),
                      "files": [os.path.relpath(p, results) for p in files], "step_ms": ms,
                      "bits_sent_per_param_per_step": bits_sent(e2e, method, next(iter(measured))),
                      "curve": curve_band([d["curves"][method] for d in mdocs], ms)})
-    s = summarize(docs)  # per seed: steps and time to the target (the code of `dlion bench ttq --across`)
-    if target is not None and abs(s["target_loss"] - target) > 1e-12:
-        raise ValueError(f"{title}: the runs were composed for target {s['target_loss']}, not {target}")
-    for row in rows:
-        keys = [k for k in s["methods"] if k.partition("@")[0] == row["method"]]
-        (k,) = keys
+    # per seed: steps and time to the target (the code of `dlion bench ttq --across`), per step-time file
+    by_e2e = {path: summarize(docs) for path, docs in groups.items()}
+    summaries = [by_e2e[row["e2e"]] for row in rows]
+    if len({s["target_loss"] for s in summaries}) != 1 or len({s.get("compute_speedup") for s in summaries}) != 1:
+        raise ValueError(f"{title}: the methods were composed for different targets or hosts")
+    if target is not None and abs(summaries[0]["target_loss"] - target) > 1e-12:
+        raise ValueError(f"{title}: the runs were composed for target {summaries[0]['target_loss']}, not {target}")
+    for row, s in zip(rows, summaries):
+        (k,) = [k for k in s["methods"] if k.partition("@")[0].partition("|")[0] == row["method"]]
         m = s["methods"][k]
         idx = [s["seeds"].index(seed) for seed in row["seeds"]]
         steps = [m["steps_to_target"][i] for i in idx]
@@ -129,8 +141,8 @@ def panel(results: str, key: str, title: str, e2e_path: str, methods: list, link
             "mean_s": statistics.mean(reached) if reached else None,
             "min_s": min(reached) if reached else None, "max_s": max(reached) if reached else None}
         row["final_loss"] = [m["final_loss"][i] for i in idx]
-    return {"key": key, "title": title, "link": link, "target_loss": s["target_loss"],
-            "compute_speedup": s.get("compute_speedup"), "e2e": e2e_path, "methods": rows}
+    return {"key": key, "title": title, "link": link, "target_loss": summaries[0]["target_loss"],
+            "compute_speedup": summaries[0].get("compute_speedup"), "e2e": e2e_path, "methods": rows}
 
 
 def across_runs(results: str, runs=RUNS) -> list[dict]:
@@ -180,7 +192,7 @@ def plot(panels: list[dict], path: str) -> None:
             pts = [c for c in row["curve"] if c["step"] > 0]  # log time axis: from the first evaluation
             x = [c["seconds"] for c in pts]
             n = row["time_to_target"]["seeds_run"]
-            color = COLORS.get(row["method"])
+            color = row.get("color")
             ax.plot(x, [c["median"] for c in pts], color=color, lw=1.8,
                     label=f"{row['label']} ({n} seed{'s' if n > 1 else ''})")
             if n > 1:
