@@ -131,7 +131,11 @@ def test_ttq_hierarchical_and_bf16_momentum_report_their_state(tmp_path, capsys,
     ax, = figures["ttq_loss_vs_step.png"].axes
     assert series(ax) == {label(m): ([2], [c[-1][1]]) for m, c in doc["curves"].items()}
     assert set(doc["curves"]) == {"g-lion", "h-mavo-1bit", "d-mavo-1bit-ov-m16"}
-    assert "optimizer state per rank" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "optimizer state per rank" in out
+    # G-Lion's line: 4 bytes of momentum per parameter, and the run's bits (DDP's fp32 all-reduce of every gradient)
+    bits = doc["runs"]["g-lion"]["bits_sent_per_param_per_step"]
+    assert f"{4 * params / 2**20:8.2f} MiB  {bits:7.3f} bits" in out and bits > 8
 
 
 def test_ttq_plot_draws_more_methods_than_it_has_colours(tmp_path, figures):

@@ -234,12 +234,16 @@ def plot_steps(curves: dict, comp: dict, path: str, title: str) -> None:
 
 
 def state_text(runs: dict) -> str:
+    """Per method: its optimizer state per rank and, where recorded, the bits one rank sent per
+    parameter per step over the whole run."""
     from .e2e.methods import label
 
-    rows = [(m, r["optimizer_state_bytes"]) for m, r in runs.items() if "optimizer_state_bytes" in r]
+    rows = [(m, r["optimizer_state_bytes"], r.get("bits_sent_per_param_per_step")) for m, r in runs.items()
+            if "optimizer_state_bytes" in r]
     if not rows:
         return ""
-    return "optimizer state per rank:\n" + "\n".join(f"  {label(m):<44} {b / 2**20:8.2f} MiB" for m, b in rows)
+    return "optimizer state per rank (and bits one rank sent per parameter per step, over the run):\n" + "\n".join(
+        f"  {label(m):<44} {b / 2**20:8.2f} MiB" + ("" if bits is None else f"  {bits:7.3f} bits") for m, b, bits in rows)
 
 
 def plot(curves: dict, step_ms: dict, comp: dict, links: list[str], path: str, title: str) -> None:
