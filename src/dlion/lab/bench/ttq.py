@@ -9,7 +9,9 @@
    or PowerSGD communication, DistributedLion, and the methods that talk every H =
    ``--sync-every`` steps (LocalDistributedLion ``d-local-mavo[-st]``, DiLoCo ``diloco-*`` with
    ``--outer-lr``), evaluated at their agreed parameters (``opt.anchored()``; a streaming round
-   in flight is applied after the last step only).
+   in flight is applied after the last step only). Each method's ``runs`` entry records the
+   bits rank 0 sent per parameter per step over the whole run (``bits_sent_per_param_per_step``:
+   the library's byte counters, the DDP methods' all-reduces as e2e counts them).
 2. **Target**: L = G-Lion's validation loss at its last evaluation; each method's
    steps-to-L is its first evaluation at or below L (a method that never gets there is
    reported with its best loss).
