@@ -270,6 +270,38 @@ def test_one_exchange_per_round_frozen_parameters_free():
     assert frozen[0]["sent_at"][9] - frozen[0]["sent_at"][8] == plain[0]["sent_at"][9] - plain[0]["sent_at"][8]
 
 
+def abstain_bytes_worker(rank, world):
+    torch.manual_seed(0)
+    head = torch.nn.Linear(300, 20)
+    tap = WireTap()
+    try:  # H = 2, constant lr, no decay: a coordinate whose two local steps reversed moved 0 < τ·S = lr
+        opt = dlion.LocalDistributedLion(head.parameters(), lr=0.01, weight_decay=0.0, sync_every=2, comm="1bit",
+                                         ties="random", abstain_below=0.5)
+        g = torch.Generator().manual_seed(rank)
+        sent_at = []
+        for _ in range(4):
+            opt.zero_grad()
+            head(torch.randn(4, 300, generator=g)).pow(2).mean().backward()
+            opt.step()
+            sent_at.append(tap.sent)
+    finally:
+        tap.close()
+    return dict(sent_at=sent_at, n=opt.num_params)
+
+
+def test_abstentions_go_in_base_3_from_the_first_sync():
+    """With abstain_below, reversed coordinates abstain scattered over the bucket, far more runs of
+    zeros than a header holds: both syncs go as base-3 digits both ways, 5 per byte, (N−1)/N of them
+    each way plus headers; the first is not sent as 1 bit first and then again."""
+    world = 3
+    r = spawn(abstain_bytes_worker, world)[0]
+    s, n = r["sent_at"], r["n"]
+    bound = 2 * n / 5 * (world - 1) / world  # bytes: n base-3 digits up and back, (N−1)/N of each
+    for before, after in ((0, 1), (2, 3)):
+        per_sync = s[after] - s[before]
+        assert bound <= per_sync <= 1.05 * bound + 2 * 64 * world, (before, per_sync, bound)
+
+
 # -- checkpoints ------------------------------------------------------------------------------
 def ckpt_worker(rank, world, path, phase, stop, total, streaming=False):
     from dlion import checkpoint

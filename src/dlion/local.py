@@ -44,6 +44,7 @@ from .codec import SignCodec
 from .distributed import DistributedLion, FlatBucket, _InFlight, _Step
 from .lion import Lion, check_grad
 from .quantize import quantize
+from .wire import WireState
 
 __all__ = ["LocalDistributedLion"]
 
@@ -219,6 +220,14 @@ class LocalDistributedLion(DistributedLion):
         if self.abstain_below:
             s.mul_(c.abs() >= self.abstain_below * self._flight_sum(group))
         return s
+
+    def _new_wire(self, algorithm) -> WireState:
+        """With ``abstain_below`` the abstentions are scattered from the first sync on: the 1-bit
+        algorithms start in base 3 both ways instead of sending 1 bit plus zero runs that overflow and
+        then the bucket again (they go back to 1 bit as soon as everyone's runs fit)."""
+        if self.abstain_below and algorithm.name in ("1bit", "allgather"):
+            return WireState(up="ternary", down="ternary")
+        return super()._new_wire(algorithm)
 
     _digested = "lr, betas, weight_decay, maximize, sync_every, sync_warmup or abstain_below"
 
