@@ -100,13 +100,17 @@ def curve_band(curves: list[list], step_ms: float) -> list[dict]:
 def panel(results: str, key: str, title: str, e2e_path: str, methods: list, link: str,
           target: Optional[float]) -> dict:
     groups: dict = {}  # e2e path -> the composed results whose step times came from it
+    e2es: dict = {}    # e2e path -> its result, read once
     rows = []
     for method, label, pattern, seeds, *extras in methods:
         extra = extras[0] if extras else {}
-        e2e = _load(os.path.join(results, extra.get("e2e", e2e_path)))
+        source = extra.get("e2e", e2e_path)
+        if source not in e2es:
+            e2es[source] = _load(os.path.join(results, source))
+        e2e = e2es[source]
         files = [os.path.join(results, pattern.format(k)) for k in seeds]
         mdocs = [_load(p) for p in files]
-        groups.setdefault(extra.get("e2e", e2e_path), []).extend(mdocs)
+        groups.setdefault(source, []).extend(mdocs)
         step_ms = {d["step_times_ms"][method][link] for d in mdocs}
         if len(step_ms) != 1:
             raise ValueError(f"{method}: the seeds were composed with different step times")
@@ -115,10 +119,10 @@ def panel(results: str, key: str, title: str, e2e_path: str, methods: list, link
         measured = {r["link"]: r for r in e2e["results"] if r["method"] == method}
         # the composed step time is the e2e mean (÷ the emulated speed-up): check it is this file's
         if not any(abs(r["ms_mean"] / speedup - ms) < 1e-6 * ms for r in measured.values()):
-            raise ValueError(f"{method}: its composed step time {ms:.3f} ms is not in {extra.get('e2e', e2e_path)}")
+            raise ValueError(f"{method}: its composed step time {ms:.3f} ms is not in {source}")
         rows.append({"key": extra.get("key", method), "method": method, "label": label,
                      "seeds": [d["config"]["seed"] for d in mdocs],
-                     "color": extra.get("color", COLORS.get(method)), "e2e": extra.get("e2e", e2e_path),
+                     "color": extra.get("color", COLORS.get(method)), "e2e": source,
                      "files": [os.path.relpath(p, results) for p in files], "step_ms": ms,
                      "bits_sent_per_param_per_step": bits_sent(e2e, method, next(iter(measured))),
                      "curve": curve_band([d["curves"][method] for d in mdocs], ms)})
