@@ -70,6 +70,31 @@ def test_vote_round_with_lion_outer_momentum_is_the_literal_arithmetic():
     torch.testing.assert_close(M, torch.tensor([0.25, -0.4, 0.45], dtype=F64))
 
 
+def test_vote_round_soft_outer_momentum_steps_without_the_sign():
+    # the numbers above, soft_outer: u = 0.9·M + 0.1·Δ = [0.45, 0.08, 0.01], A = 0 − 0.5·u
+    A = torch.zeros(3, dtype=F64)
+    x = torch.tensor([[-1.0, 2.0, -3.0], [1.0, 1.0, -1.0]], dtype=F64)
+    M = torch.tensor([0.5, 0.2, -0.1], dtype=F64)
+    vote_round([A], [x], None, 0.5, outer=(0.9, 0.5, [M]), soft_outer=True)
+    torch.testing.assert_close(A, torch.tensor([-0.225, -0.04, -0.005], dtype=F64))
+    torch.testing.assert_close(M, torch.tensor([0.25, -0.4, 0.45], dtype=F64))
+
+
+def test_vote_round_error_scale_moves_by_the_mean_residual_magnitude():
+    # the first test's numbers: mean|e + d| per worker = 0.65, 0.75, 0.675, mean 0.69166…; α = 0.5 → 0.3458333…
+    A = torch.tensor([1.0, 0.0], dtype=F64)
+    x = torch.tensor([[0.5, 0.5], [1.5, -1.0], [0.0, 0.25]], dtype=F64)
+    e = torch.tensor([[0.1, -0.2], [0.0, 0.0], [0.3, 0.3]], dtype=F64)
+    vote_round([A], [x], [e], 99.0, error_scale=0.5)  # the scale argument is not used
+    step = 0.5 * (0.65 + 0.75 + 0.675) / 3
+    torch.testing.assert_close(A, torch.tensor([1.0 - step, -step], dtype=F64))
+    torch.testing.assert_close(e, torch.tensor([[-0.05, -0.05], [0.25, 0.25], [0.625, -0.625]], dtype=F64))
+    with pytest.raises(ValueError, match="error feedback"):
+        make_method("dlocal_mavo:10:esc=1:ef=0", [torch.zeros(2)], 2, {"lr": 0.1, "weight_decay": 0.0}, "charlm", 0, 4)
+    with pytest.raises(ValueError, match="outer momentum"):
+        make_method("dlocal_mavo:10:osoft=1", [torch.zeros(2)], 2, {"lr": 0.1, "weight_decay": 0.0}, "charlm", 0, 4)
+
+
 def _grads(N, shapes, gen):
     return [torch.randn(N, *s, generator=gen) for s in shapes]
 
@@ -180,7 +205,9 @@ def test_bits_formulas():
     # counted by the methods: 25 steps at H = 10 → syncs after steps 10, 20, 25
     # with abstentions (ab): base-3 digits (8/5 bits) both ways, even with random ties
     for spec, per_sync in (("dlocal_mavo:10", 1.95), ("dlocal_mavo:10:ab=0.5:ties=random", 0.75 * 1.6 * 2),
-                           ("diloco_adamw:10", 48.0), ("diloco_lion_bf16:10", 24.0)):
+                           ("diloco_adamw:10", 48.0), ("diloco_lion_bf16:10", 24.0),
+                           # esc: one fp32 per tensor (2 here) ring all-reduced, 2·(3/4)·32·2 bits over 11 parameters
+                           ("dlocal_mavo:10:esc=1", 1.95 + 96 / 11)):
         p = [torch.zeros(3, 2), torch.zeros(5)]
         m = make_method(spec, p, 4, {"lr": 0.01, "weight_decay": 0.0}, "charlm", 0, 25)
         for _ in range(25):
@@ -200,18 +227,20 @@ def test_local_specs():
     assert canonical("diloco_lion:10:outer_lr=0.7") == "diloco_lion:10"  # the default is not written
     assert canonical("diloco_lion:10:outer_lr=0.1") == "diloco_lion:10:outer_lr=0.1"
     assert local_options("dlocal_mavo:5:ef=0") == {"H": 5, "alpha": 1.0, "ef": 0, "ties": "zero", "ob1": 0.0,
-                                                   "ob2": 0.0, "ab": 0.0}
+                                                   "ob2": 0.0, "ab": 0.0, "esc": 0, "osoft": 0}
+    assert canonical("dlocal_mavo:10:osoft=1:ob1=0.5:esc=0") == "dlocal_mavo:10:ob1=0.5:osoft=1"
     assert canonical("dlocal_mavo:10:ab=0.5:ties=random") == "dlocal_mavo:10:ties=random:ab=0.5"
     assert canonical("dlocal_mavo:10:ab=0") == "dlocal_mavo:10"
     assert label("dlocal_mavo:10:ab=0.5") == "D-Local MaVo H=10, abstain below 0.5·S"
     with pytest.raises(ValueError, match="bad ab"):
         local_options("dlocal_mavo:10:ab=-1")
     assert label("dlocal_mavo:5:ef=0") == "D-Local MaVo H=5, no EF"
+    assert label("dlocal_mavo:10:ob1=0.5:ob2=0.9:osoft=1:esc=1") == "D-Local MaVo H=10, outer β=(0.5, 0.9) soft, step mean|e|"
     assert label("diloco_adamw_bf16:50") == "DiLoCo (AdamW, bf16) H=50"
     assert family("diloco_adamw:10") == "adamw" and family("diloco_lion_bf16:10") == "lion"
     for bad in ("dlocal_mavo:0", "dlocal_mavo:1.5", "dlocal_mavo:10:outer_lr=1", "diloco_adamw:10:alpha=1",
                 "dlocal_mavo:10:ef=2", "dlocal_mavo:10:ties=up", "diloco_lion:10:outer_momentum=1",
-                "dlocal_mavo:x"):
+                "dlocal_mavo:x", "dlocal_mavo:10:esc=2"):
         with pytest.raises(ValueError):
             parse_method(bad)
     config = {"methods": {"glion": {"lr": 1e-4, "weight_decay": 0.1}, "gadamw": {"lr": 3e-3, "weight_decay": 0.1}}}

@@ -66,7 +66,8 @@ def _kept(c: Tensor, threshold: float) -> Tensor:
 
 def vote_round(anchor: Sequence[Tensor], workers: Sequence[Tensor], errors: Optional[Sequence[Tensor]],
                scale: float, ties: str = "zero", generator: Optional[torch.Generator] = None,
-               outer: Optional[tuple] = None, abstain_below: float = 0.0) -> None:
+               outer: Optional[tuple] = None, abstain_below: float = 0.0,
+               error_scale: Optional[float] = None, soft_outer: bool = False) -> None:
     """One sync of ``dlocal_mavo``, in place, per parameter tensor (A: shape S, x and e: (N, *S)):
 
         d_i = A − x_i
@@ -84,7 +85,12 @@ def vote_round(anchor: Sequence[Tensor], workers: Sequence[Tensor], errors: Opti
 
     ``outer = (β1, β2, M)`` (an experiment: Lion's own rule on the votes, no extra bits): the step is
     u = sign(β1·M + (1 − β1)·Δ) instead of Δ, then M ← β2·M + (1 − β2)·Δ (M per tensor, identical on
-    every rank since Δ is)."""
+    every rank since Δ is). ``soft_outer`` (an experiment): the step is u = β1·M + (1 − β1)·Δ, no sign,
+    so a coordinate whose votes keep flipping moves less than one whose votes agree.
+
+    ``error_scale`` = α (an experiment; needs ``errors``): the step is α·mean_i(mean|e_i|)·Δ per tensor
+    instead of ``scale``·Δ: the anchor moves by what the ranks' error feedback assumes they sent
+    (one fp32 per tensor per rank more, all-reduced)."""
     for k, (a, x) in enumerate(zip(anchor, workers)):
         d = a.unsqueeze(0) - x
         if errors is not None:
@@ -93,8 +99,10 @@ def vote_round(anchor: Sequence[Tensor], workers: Sequence[Tensor], errors: Opti
             s = _kept(e, abstain_below)
             mag = e.abs().mean(dim=tuple(range(1, e.dim())), keepdim=True) if e.dim() > 1 else e.abs()
             e.sub_(mag * s)
+            step_scale = error_scale * float(mag.mean()) if error_scale is not None else scale
         else:
             s = _kept(d, abstain_below)
+            step_scale = scale
         total = s.sum(0)
         delta = torch.sign(total)
         if ties == "random":
@@ -103,10 +111,12 @@ def vote_round(anchor: Sequence[Tensor], workers: Sequence[Tensor], errors: Opti
         if outer is not None:
             b1, b2, moms = outer
             m = moms[k]
-            step = torch.sign(m * b1 + delta * (1.0 - b1))
+            step = m * b1 + delta * (1.0 - b1)
+            if not soft_outer:
+                step = torch.sign(step)
             m.mul_(b2).add_(delta * (1.0 - b2))
             delta = step
-        a.sub_(delta.mul_(scale))
+        a.sub_(delta.mul_(step_scale))
         x.copy_(a.unsqueeze(0).expand_as(x))
 
 
@@ -194,8 +204,13 @@ class LocalVote(LocalMethod):
 
     def __init__(self, params, world_size, H, hp, betas, seed, total_steps, *, alpha: float = 1.0,
                  error_feedback: bool = True, ties: str = "zero", outer_betas: tuple = (0.0, 0.0),
-                 abstain_below: float = 0.0):
+                 abstain_below: float = 0.0, error_scale: bool = False, soft_outer: bool = False):
         super().__init__(params, world_size, H, hp, betas, "lion", total_steps)
+        if error_scale and not error_feedback:
+            raise ValueError("error_scale needs error feedback")
+        if soft_outer and not outer_betas[0] > 0:
+            raise ValueError("soft_outer needs an outer momentum (outer_betas[0] > 0)")
+        self.error_scale, self.soft_outer = bool(error_scale), bool(soft_outer)
         if ties not in ("zero", "random"):
             raise ValueError(f"ties must be 'zero' or 'random', got {ties!r}")
         self.alpha = float(alpha)
@@ -209,16 +224,20 @@ class LocalVote(LocalMethod):
     def sync(self) -> None:
         outer = (*self.outer_betas, self.outer_moms) if self.outer_moms is not None else None
         vote_round(self.params, self.workers, self.errors, self.alpha * self.round_lr_sum, self.ties,
-                   self.generator, outer, abstain_below=self.abstain_below * self.round_lr_sum)
+                   self.generator, outer, abstain_below=self.abstain_below * self.round_lr_sum,
+                   error_scale=self.alpha if self.error_scale else None, soft_outer=self.soft_outer)
         d, N = self.bits_counter.num_params, self.world_size
         b_down = 1.0 if (N % 2 == 1 or self.ties == "random") and not self.abstain_below else TRIT_BITS
         b_up = TRIT_BITS if self.abstain_below else 1.0
         self.bits_counter.add(f"all_to_all signs ({b_up:g} bits)", alltoall_bits(d * b_up, N))
         self.bits_counter.add(f"all_gather vote ({b_down:g} bits)", alltoall_bits(d * b_down, N))
+        if self.error_scale:
+            self.bits_counter.add("all_reduce scales (fp32 per tensor)", ring_allreduce_bits(len(self.params), 32, N))
 
     def record(self) -> dict:
         return dict(super().record(), alpha=self.alpha, error_feedback=self.errors is not None, ties=self.ties,
-                    outer_betas=list(self.outer_betas), abstain_below=self.abstain_below)
+                    outer_betas=list(self.outer_betas), abstain_below=self.abstain_below,
+                    error_scale=self.error_scale, soft_outer=self.soft_outer)
 
 
 class DiLoCo(LocalMethod):
