@@ -123,7 +123,7 @@ def train_rank(rank: int, world: int, cfg: dict, emit: Callable[[dict], None]) -
         dist.barrier()
         run.end_measure()  # a last exchange in flight counts too
         sent = run.result()["bytes_sent_per_step"]  # this rank's, over every step of the run (every rank calls it)
-        if hasattr(run.opt, "check_replicas"):
+        if method not in SYNC_EVERY and hasattr(run.opt, "check_replicas"):  # (result() checked the others)
             run.opt.check_replicas()
         if rank == 0:
             emit({"method": method, "curve": curve, "train_s": train_s, "params": run.params,
