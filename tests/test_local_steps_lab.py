@@ -95,6 +95,20 @@ def test_vote_round_error_scale_moves_by_the_mean_residual_magnitude():
         make_method("dlocal_mavo:10:osoft=1", [torch.zeros(2)], 2, {"lr": 0.1, "weight_decay": 0.0}, "charlm", 0, 4)
 
 
+def test_vote_round_avg_steps_by_the_mean_sign():
+    # the first test's numbers: s = [[1, −1], [−1, 1], [1, 1]], Σ s = [1, 1] → Δ = [1/3, 1/3]
+    A = torch.tensor([1.0, 0.0], dtype=F64)
+    x = torch.tensor([[0.5, 0.5], [1.5, -1.0], [0.0, 0.25]], dtype=F64)
+    e = torch.tensor([[0.1, -0.2], [0.0, 0.0], [0.3, 0.3]], dtype=F64)
+    vote_round([A], [x], [e], 0.3, vote="avg")
+    torch.testing.assert_close(A, torch.tensor([0.9, -0.1], dtype=F64))
+    # 2 workers disagreeing: 0, never a coin even with random ties
+    A = torch.zeros(2, dtype=F64)
+    vote_round([A], [torch.tensor([[1.0, 1.0], [-1.0, 1.0]], dtype=F64)], None, 1.0, ties="random",
+               generator=torch.Generator().manual_seed(0), vote="avg")
+    torch.testing.assert_close(A, torch.tensor([0.0, 1.0], dtype=F64))
+
+
 def _grads(N, shapes, gen):
     return [torch.randn(N, *s, generator=gen) for s in shapes]
 
@@ -207,7 +221,9 @@ def test_bits_formulas():
     for spec, per_sync in (("dlocal_mavo:10", 1.95), ("dlocal_mavo:10:ab=0.5:ties=random", 0.75 * 1.6 * 2),
                            ("diloco_adamw:10", 48.0), ("diloco_lion_bf16:10", 24.0),
                            # esc: one fp32 per tensor (2 here) ring all-reduced, 2·(3/4)·32·2 bits over 11 parameters
-                           ("dlocal_mavo:10:esc=1", 1.95 + 96 / 11)):
+                           ("dlocal_mavo:10:esc=1", 1.95 + 96 / 11),
+                           # avg: 1 bit up, the sum of 4 signs back in ⌈log2 5⌉ = 3 bits
+                           ("dlocal_mavo:10:vote=avg", 0.75 + 0.75 * 3)):
         p = [torch.zeros(3, 2), torch.zeros(5)]
         m = make_method(spec, p, 4, {"lr": 0.01, "weight_decay": 0.0}, "charlm", 0, 25)
         for _ in range(25):
@@ -227,8 +243,11 @@ def test_local_specs():
     assert canonical("diloco_lion:10:outer_lr=0.7") == "diloco_lion:10"  # the default is not written
     assert canonical("diloco_lion:10:outer_lr=0.1") == "diloco_lion:10:outer_lr=0.1"
     assert local_options("dlocal_mavo:5:ef=0") == {"H": 5, "alpha": 1.0, "ef": 0, "ties": "zero", "ob1": 0.0,
-                                                   "ob2": 0.0, "ab": 0.0, "esc": 0, "osoft": 0}
+                                                   "ob2": 0.0, "ab": 0.0, "esc": 0, "osoft": 0,
+                                                   "vote": "mavo"}
     assert canonical("dlocal_mavo:10:osoft=1:ob1=0.5:esc=0") == "dlocal_mavo:10:ob1=0.5:osoft=1"
+    assert canonical("dlocal_mavo:10:vote=avg:alpha=3") == "dlocal_mavo:10:alpha=3:vote=avg"
+    assert label("dlocal_mavo:10:vote=avg:alpha=3") == "D-Local Avg H=10, α=3"
     assert canonical("dlocal_mavo:10:ab=0.5:ties=random") == "dlocal_mavo:10:ties=random:ab=0.5"
     assert canonical("dlocal_mavo:10:ab=0") == "dlocal_mavo:10"
     assert label("dlocal_mavo:10:ab=0.5") == "D-Local MaVo H=10, abstain below 0.5·S"
@@ -240,7 +259,7 @@ def test_local_specs():
     assert family("diloco_adamw:10") == "adamw" and family("diloco_lion_bf16:10") == "lion"
     for bad in ("dlocal_mavo:0", "dlocal_mavo:1.5", "dlocal_mavo:10:outer_lr=1", "diloco_adamw:10:alpha=1",
                 "dlocal_mavo:10:ef=2", "dlocal_mavo:10:ties=up", "diloco_lion:10:outer_momentum=1",
-                "dlocal_mavo:x", "dlocal_mavo:10:esc=2"):
+                "dlocal_mavo:x", "dlocal_mavo:10:esc=2", "dlocal_mavo:10:vote=sum"):
         with pytest.raises(ValueError):
             parse_method(bad)
     config = {"methods": {"glion": {"lr": 1e-4, "weight_decay": 0.1}, "gadamw": {"lr": 3e-3, "weight_decay": 0.1}}}

@@ -27,6 +27,7 @@ Bits are what one rank sends per parameter per step, amortised over the run
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -67,7 +68,7 @@ def _kept(c: Tensor, threshold: float) -> Tensor:
 def vote_round(anchor: Sequence[Tensor], workers: Sequence[Tensor], errors: Optional[Sequence[Tensor]],
                scale: float, ties: str = "zero", generator: Optional[torch.Generator] = None,
                outer: Optional[tuple] = None, abstain_below: float = 0.0,
-               error_scale: Optional[float] = None, soft_outer: bool = False) -> None:
+               error_scale: Optional[float] = None, soft_outer: bool = False, vote: str = "mavo") -> None:
     """One sync of ``dlocal_mavo``, in place, per parameter tensor (A: shape S, x and e: (N, *S)):
 
         d_i = A − x_i
@@ -90,7 +91,9 @@ def vote_round(anchor: Sequence[Tensor], workers: Sequence[Tensor], errors: Opti
 
     ``error_scale`` = α (an experiment; needs ``errors``): the step is α·mean_i(mean|e_i|)·Δ per tensor
     instead of ``scale``·Δ: the anchor moves by what the ranks' error feedback assumes they sent
-    (one fp32 per tensor per rank more, all-reduced)."""
+    (one fp32 per tensor per rank more, all-reduced).
+
+    ``vote="avg"``: Δ = (Σ_i s_i)/N, D-Lion's averaging rule (``ties`` does not apply)."""
     for k, (a, x) in enumerate(zip(anchor, workers)):
         d = a.unsqueeze(0) - x
         if errors is not None:
@@ -104,8 +107,8 @@ def vote_round(anchor: Sequence[Tensor], workers: Sequence[Tensor], errors: Opti
             s = _kept(d, abstain_below)
             step_scale = scale
         total = s.sum(0)
-        delta = torch.sign(total)
-        if ties == "random":
+        delta = total / s.shape[0] if vote == "avg" else torch.sign(total)
+        if ties == "random" and vote != "avg":
             coin = torch.randint(0, 2, total.shape, generator=generator).to(total.dtype).mul_(2).sub_(1)
             delta = torch.where(total == 0, coin, delta)
         if outer is not None:
@@ -204,8 +207,12 @@ class LocalVote(LocalMethod):
 
     def __init__(self, params, world_size, H, hp, betas, seed, total_steps, *, alpha: float = 1.0,
                  error_feedback: bool = True, ties: str = "zero", outer_betas: tuple = (0.0, 0.0),
-                 abstain_below: float = 0.0, error_scale: bool = False, soft_outer: bool = False):
+                 abstain_below: float = 0.0, error_scale: bool = False, soft_outer: bool = False,
+                 vote: str = "mavo"):
         super().__init__(params, world_size, H, hp, betas, "lion", total_steps)
+        if vote not in ("mavo", "avg"):
+            raise ValueError(f"vote must be 'mavo' or 'avg', got {vote!r}")
+        self.vote = vote
         if error_scale and not error_feedback:
             raise ValueError("error_scale needs error feedback")
         if soft_outer and not outer_betas[0] > 0:
@@ -225,10 +232,12 @@ class LocalVote(LocalMethod):
         outer = (*self.outer_betas, self.outer_moms) if self.outer_moms is not None else None
         vote_round(self.params, self.workers, self.errors, self.alpha * self.round_lr_sum, self.ties,
                    self.generator, outer, abstain_below=self.abstain_below * self.round_lr_sum,
-                   error_scale=self.alpha if self.error_scale else None, soft_outer=self.soft_outer)
+                   error_scale=self.alpha if self.error_scale else None, soft_outer=self.soft_outer, vote=self.vote)
         d, N = self.bits_counter.num_params, self.world_size
         b_down = 1.0 if (N % 2 == 1 or self.ties == "random") and not self.abstain_below else TRIT_BITS
         b_up = TRIT_BITS if self.abstain_below else 1.0
+        if self.vote == "avg":  # the sum of N signs, (Σ + N)/2 ∈ [0, N] in ⌈log2(N+1)⌉ bits (dlion.wire)
+            b_down = float(math.ceil(math.log2(N + 1)))
         self.bits_counter.add(f"all_to_all signs ({b_up:g} bits)", alltoall_bits(d * b_up, N))
         self.bits_counter.add(f"all_gather vote ({b_down:g} bits)", alltoall_bits(d * b_down, N))
         if self.error_scale:
@@ -237,7 +246,7 @@ class LocalVote(LocalMethod):
     def record(self) -> dict:
         return dict(super().record(), alpha=self.alpha, error_feedback=self.errors is not None, ties=self.ties,
                     outer_betas=list(self.outer_betas), abstain_below=self.abstain_below,
-                    error_scale=self.error_scale, soft_outer=self.soft_outer)
+                    error_scale=self.error_scale, soft_outer=self.soft_outer, vote=self.vote)
 
 
 class DiLoCo(LocalMethod):

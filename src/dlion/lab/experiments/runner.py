@@ -36,7 +36,8 @@ base                    round (H local steps, then)                             
                         (``ob1``, ``ob2`` > 0: the step is sign(ob1·M + (1 − ob1)·Δ),      ``ob1``, ``ob2`` (0: off)
                         M ← ob2·M + (1 − ob2)·Δ, Lion's rule on the votes; an experiment)
                         (``osoft=1``: that step without its sign; ``esc=1``: the step is   ``osoft``, ``esc`` (0: off)
-                        α·mean_i mean|e_i| per tensor instead of α·Σlr; experiments)
+                        α·mean_i mean|e_i| per tensor instead of α·Σlr; experiments;      ``vote`` (mavo|avg)
+                        ``vote=avg``: Δ = mean_i sign(e_i), D-Lion Avg's rule)
 ``diloco_adamw``        local AdamW; fp32 mean pseudo-gradient → outer Nesterov SGD        ``outer_lr`` (0.7),
                                                                                            ``outer_momentum`` (0.9)
 ``diloco_lion``         local Lion; the same outer step                                   as above
@@ -95,7 +96,7 @@ ALL_METHODS = METHODS + LOCAL_METHODS
 DEFAULT_H = 10
 # options of a local-step spec, in their canonical order, with defaults
 LOCAL_OPTIONS = {"dlocal_mavo": {"alpha": 1.0, "ef": 1, "ties": "zero", "ob1": 0.0, "ob2": 0.0, "ab": 0.0,
-                                 "esc": 0, "osoft": 0},
+                                 "esc": 0, "osoft": 0, "vote": "mavo"},
                  **{b: {"outer_lr": 0.7, "outer_momentum": 0.9} for b in LOCAL_METHODS if b.startswith("diloco")}}
 # the every-step method whose tuned lr / weight decay a local-step method takes by default
 LOCAL_TWIN = {"dlocal_mavo": "glion", "diloco_adamw": "gadamw", "diloco_adamw_bf16": "gadamw",
@@ -147,6 +148,10 @@ def local_options(spec: str) -> dict:
         if key == "ties":
             if value not in ("zero", "random"):
                 raise ValueError(f"ties must be zero or random, got {spec!r}")
+            out[key] = value
+        elif key == "vote":
+            if value not in ("mavo", "avg"):
+                raise ValueError(f"vote must be mavo or avg, got {spec!r}")
             out[key] = value
         elif key in ("ef", "esc", "osoft"):
             if value not in ("0", "1"):
@@ -289,6 +294,8 @@ def label(spec: str, legacy: bool = False) -> str:
             text += f", outer β=({opts['ob1']:g}, {opts['ob2']:g}){' soft' if opts['osoft'] else ''}"
         if opts.get("esc", 0):
             text += ", step mean|e|"
+        if opts.get("vote", "mavo") == "avg":
+            text = text.replace("MaVo", "Avg")
         if opts.get("outer_lr", 0.7) != 0.7:
             text += f", outer lr {opts['outer_lr']:g}"
         if opts.get("outer_momentum", 0.9) != 0.9:
@@ -470,7 +477,8 @@ def make_method(spec, params, world_size, hp, task_name, seed, total_steps):
         if name == "dlocal_mavo":
             return L.LocalVote(params, world_size, o["H"], hp, betas, seed, total_steps, alpha=o["alpha"],
                                error_feedback=bool(o["ef"]), ties=o["ties"], outer_betas=(o["ob1"], o["ob2"]),
-                               abstain_below=o["ab"], error_scale=bool(o["esc"]), soft_outer=bool(o["osoft"]))
+                               abstain_below=o["ab"], error_scale=bool(o["esc"]), soft_outer=bool(o["osoft"]),
+                               vote=o["vote"])
         return L.DiLoCo(params, world_size, o["H"], hp, betas, seed, total_steps,
                         inner="adamw" if "adamw" in name else "lion", bf16=name.endswith("_bf16"),
                         outer_lr=o["outer_lr"], outer_momentum=o["outer_momentum"])
