@@ -332,6 +332,11 @@ def test_local_plot_summarises_and_draws(tmp_path):
     assert rows["diloco_lion:10:outer_lr=0.1"]["line"] == "diloco_lion:outer_lr=0.1"
     assert (tmp_path / "out" / "final_vs_bits.png").stat().st_size > 0
     assert (tmp_path / "out" / "summary.csv").read_text().startswith("method,label,kind")
+    # the one-H variant (outer_lr=0.1) stays in the summary but leaves the figure unless asked for
+    from dlion.lab.experiments.local_plot import drawn_lines
+    summary = json.load(open(tmp_path / "out" / "summary.json"))
+    assert [k[0] for k in drawn_lines(summary, all_variants=False)] == ["glion", "dlocal_mavo", "diloco_adamw"]
+    assert "diloco_lion:outer_lr=0.1" in [k[0] for k in drawn_lines(summary)]
 
 
 def test_the_ab_option_reaches_the_vote():

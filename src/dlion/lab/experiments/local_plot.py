@@ -10,6 +10,8 @@ Reads any number of ``runs.jsonl`` files (re-run it as more runs finish) and wri
                        several) against the bits one rank sends per parameter per step (log x);
                        every local-step method (base and options) one curve over H, each point
                        marked with its H; the every-step methods (``--points``) as single points;
+                       a variant of a local-step method run at one H only (an experiment) is left
+                       out of the figure unless ``--all-variants`` (it stays in the summary);
 ``summary.csv`` / ``summary.json``  one row per method spec: seeds, median / min / max / mean of
                        the final metric, bits, H, lr, weight decay, seconds per run.
 
@@ -31,7 +33,7 @@ import numpy as np
 from .plots import COLORS, MARKERS, _line, _ordered, _save
 from .runner import LOCAL_METHODS, canonical, common_bits, label, load_runs, parse_method
 
-__all__ = ["main", "summary_rows"]
+__all__ = ["main", "summary_rows", "drawn_lines"]
 
 EVERY_STEP = ("glion", "dlion_mavo", "gadamw", "powersgd_adamw:4")
 
@@ -68,18 +70,30 @@ def summary_rows(runs: list[dict], points=EVERY_STEP) -> list[dict]:
     return rows
 
 
-def figure(rows: list[dict], path: str, title: str) -> str:
+def drawn_lines(rows: list[dict], all_variants: bool = True) -> list[tuple]:
+    """The (line, lr, weight decay) keys the figure draws, in order: a variant of a local-step
+    method with one point only (one H) is left out unless ``all_variants``."""
+    lines = []
+    for r in rows:
+        key = (r["line"], r["lr"], r["weight_decay"])
+        if key in lines:
+            continue
+        b = r["line"].split(":", 1)[0]
+        if (not all_variants and b in LOCAL_METHODS and r["line"] != b
+                and sum((q["line"], q["lr"], q["weight_decay"]) == key for q in rows) == 1):
+            continue
+        lines.append(key)
+    return lines
+
+
+def figure(rows: list[dict], path: str, title: str, all_variants: bool = True) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8.6, 4.8))
-    lines = []
-    for r in rows:
-        if (r["line"], r["lr"], r["weight_decay"]) not in lines:
-            lines.append((r["line"], r["lr"], r["weight_decay"]))
-    for ln, lr, wd in lines:
+    for ln, lr, wd in drawn_lines(rows, all_variants):
         pts = sorted((r for r in rows if (r["line"], r["lr"], r["weight_decay"]) == (ln, lr, wd)),
                      key=lambda r: r["bits"])
         b = ln.split(":", 1)[0]
@@ -117,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2000, help="the step budget of the runs")
     p.add_argument("--points", default=",".join(EVERY_STEP),
                    help="every-step methods drawn as points (comma-separated specs)")
+    p.add_argument("--all-variants", action="store_true",
+                   help="also draw the variants of a local-step method run at one H only")
     args = p.parse_args(argv)
     runs, seen = [], set()
     for path in args.runs:
@@ -139,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             w.writerow(dict(r, seeds=" ".join(map(str, r["seeds"]))))
     title = (f"{args.task}, N = {args.workers}, {args.steps} steps: final validation loss vs bits sent "
              f"(local-step methods: one curve over H)")
-    fig = figure(rows, os.path.join(args.out, "final_vs_bits.png"), title)
+    fig = figure(rows, os.path.join(args.out, "final_vs_bits.png"), title, args.all_variants)
     print(f"{'method':42s} {'seeds':>7s} {'median':>8s} {'min':>8s} {'max':>8s} {'bits':>9s}")
     for r in rows:
         print(f"{r['label']:42s} {len(r['seeds']):>7d} {r['median']:8.4f} {r['min']:8.4f} {r['max']:8.4f} "
