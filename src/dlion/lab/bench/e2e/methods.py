@@ -26,9 +26,9 @@ DLION = tuple(f"d-{vote}-{comm}{ov}" for vote in ("mavo", "avg") for comm in ("a
 # PowerSGD; -fb: a first bucket of FIRST_BUCKET_MB, then --bucket-mb (DDP's small first bucket);
 # -dl: delay=1 (Δ applied a step later, its exchange overlapping the next forward and backward)
 HIER = ("h-mavo-1bit", "h-mavo-allgather", "h-avg-1bit")  # HierarchicalDistributedLion (needs --nodes)
-# Methods that talk every H = --sync-every steps: LocalDistributedLion (MaVo, 1bit; -st: streaming=True) and
+# Methods that talk every H = --sync-every steps: LocalDistributedLion (MaVo or Avg, 1bit; -st: streaming=True) and
 # DiLoCo (dlion.lab.diloco: AdamW or Lion inner steps, the pseudo-gradients averaged in fp32 or bf16)
-LOCAL = ("d-local-mavo", "d-local-mavo-st")
+LOCAL = ("d-local-mavo", "d-local-mavo-st", "d-local-avg")
 DILOCO = ("diloco-adamw", "diloco-lion", "diloco-adamw-bf16", "diloco-lion-bf16")
 SYNC_EVERY = LOCAL + DILOCO
 METHODS = BASELINES + DLION + HIER + SYNC_EVERY
@@ -79,6 +79,7 @@ LABELS = {"compute": "compute only (no comm)", "sync-only": "sync only (1 value 
           "ddp-dlion-hook-1bit": "D-Lion MaVo as a DDP comm hook (1bit)",
           "d-local-mavo": "Local D-Lion MaVo 1bit",  # (H: the result's sync_every)
           "d-local-mavo-st": "Local D-Lion MaVo 1bit streaming",
+          "d-local-avg": "Local D-Lion Avg 1bit",
           **{m: f"DiLoCo {'AdamW' if 'adamw' in m else 'Lion'} {'bf16' if 'bf16' in m else 'fp32'}" for m in DILOCO}}
 POWERSGD_START_ITER = 2  # PowerSGD needs >= 2 uncompressed iterations (DDP rebuilds buckets after the first)
 POWERSGD_BUCKET_MB = 1 << 16  # one bucket for PowerSGD (see MethodRun)
@@ -106,7 +107,8 @@ def methods_from_args(ap, args) -> list[str]:
     if not args.abstain_below >= 0:
         ap.error(f"--abstain-below must be >= 0, got {args.abstain_below}")
     if args.abstain_below and not set(methods) & set(LOCAL):
-        ap.error("--abstain-below applies to the local vote only: add d-local-mavo or d-local-mavo-st to --methods")
+        ap.error("--abstain-below applies to the local vote only: add d-local-mavo, d-local-mavo-st or d-local-avg "
+                 "to --methods")
     return methods
 
 
@@ -362,7 +364,8 @@ class MethodRun:
             self.opt.check_replicas()
         elif method in LOCAL:
             self.net = model
-            self.opt = _local_class()(model.named_parameters(), lr=lr, betas=betas, weight_decay=wd, vote="mavo",
+            self.opt = _local_class()(model.named_parameters(), lr=lr, betas=betas, weight_decay=wd,
+                                      vote=method.split("-")[2],
                                       ties=cfg["ties"], comm="1bit", sync_every=cfg.get("sync_every", 10),
                                       sync_warmup=cfg.get("sync_warmup", 0), abstain_below=cfg.get("abstain_below", 0.0),
                                       streaming=method.endswith("-st"),
