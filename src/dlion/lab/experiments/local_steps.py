@@ -27,12 +27,12 @@ Bits are what one rank sends per parameter per step, amortised over the run
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
+from dlion.codec import bits_for
 from dlion.lion import Lion
 
 from .baselines import TRIT_BITS, BitCounter, alltoall_bits, ring_allreduce_bits
@@ -236,8 +236,8 @@ class LocalVote(LocalMethod):
         d, N = self.bits_counter.num_params, self.world_size
         b_down = 1.0 if (N % 2 == 1 or self.ties == "random") and not self.abstain_below else TRIT_BITS
         b_up = TRIT_BITS if self.abstain_below else 1.0
-        if self.vote == "avg":  # the sum of N signs, (Σ + N)/2 ∈ [0, N] in ⌈log2(N+1)⌉ bits (dlion.wire)
-            b_down = float(math.ceil(math.log2(N + 1)))
+        if self.vote == "avg":  # the sum of N signs, (Σ + N)/2 ∈ [0, N] in ⌈log2(N+1)⌉ bits, as dlion.wire sends it
+            b_down = float(bits_for(N + 1))
         self.bits_counter.add(f"all_to_all signs ({b_up:g} bits)", alltoall_bits(d * b_up, N))
         self.bits_counter.add(f"all_gather vote ({b_down:g} bits)", alltoall_bits(d * b_down, N))
         if self.error_scale:
