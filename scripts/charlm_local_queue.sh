@@ -10,6 +10,8 @@
 #   nohup scripts/charlm_local_queue.sh > charlm-local-queue.log 2>&1 &
 #   scripts/charlm_local_queue.sh list        # the queue, each entry done or not
 #   scripts/charlm_local_queue.sh one SPEC SEED   # one run (what the queue calls)
+#   CONFIG=F TAG=lr2e-4 scripts/charlm_local_queue.sh one SPEC SEED   # the same spec at another
+#                                                # config's lr: TAG keeps its shard apart
 #
 # Each run writes its own shard $OUT/shards/<spec>_s<seed>/runs.jsonl and is then
 # appended to $OUT/runs.jsonl (under a lock). Plot / summary:
@@ -64,7 +66,7 @@ list)
 one)
     spec=${2:?spec}
     seed=${3:?seed}
-    name="$(echo "$spec" | tr ':=' '-_')_s$seed"
+    name="$(echo "$spec" | tr ':=' '-_')${TAG:+-$TAG}_s$seed"
     dir="$OUT/shards/$name"
     # one copy of a run at a time: a lock per run, and no second copy of one started without it
     mkdir -p "$OUT/.locks"

@@ -223,7 +223,9 @@ def test_bits_formulas():
                            # esc: one fp32 per tensor (2 here) ring all-reduced, 2·(3/4)·32·2 bits over 11 parameters
                            ("dlocal_mavo:10:esc=1", 1.95 + 96 / 11),
                            # avg: 1 bit up, the sum of 4 signs back in ⌈log2 5⌉ = 3 bits
-                           ("dlocal_mavo:10:vote=avg", 0.75 + 0.75 * 3)):
+                           ("dlocal_mavo:10:vote=avg", 0.75 + 0.75 * 3),
+                           # avg with abstentions: trits up, a sum in −4..4 back in ⌈log2 9⌉ = 4 bits
+                           ("dlocal_mavo:10:vote=avg:ab=0.5", 0.75 * 1.6 + 0.75 * 4)):
         p = [torch.zeros(3, 2), torch.zeros(5)]
         m = make_method(spec, p, 4, {"lr": 0.01, "weight_decay": 0.0}, "charlm", 0, 25)
         for _ in range(25):
@@ -317,7 +319,9 @@ def test_local_plot_summarises_and_draws(tmp_path):
     every = [rec("glion", s, 1.78 + 0.01 * s, 48.0) for s in range(3)] + [rec("dlion_mavo:b2=0.99", 0, 1.9, 2.0)]
     local = [rec("dlocal_mavo:10", s, f, 0.195) for s, f in ((0, 1.81), (1, 1.80), (2, 1.84))] + \
         [rec("dlocal_mavo:25", 0, 1.83, 0.078), rec("diloco_adamw:10", 0, 1.7, 4.8, lr=3e-3),
-         rec("diloco_lion:10:outer_lr=0.1", 0, 1.9, 4.8)]
+         rec("diloco_lion:10:outer_lr=0.1", 0, 1.9, 4.8),
+         rec("dlocal_mavo:10:vote=avg", 0, 1.8, 0.3, lr=3e-4), rec("dlocal_mavo:50:vote=avg", 0, 2.0, 0.06, lr=3e-4),
+         rec("dlocal_mavo:30:vote=avg", 0, 1.85, 0.1, lr=2e-4)]
     paths = []
     for name, rs in (("a.jsonl", every), ("b.jsonl", local)):
         paths.append(str(tmp_path / name))
@@ -326,7 +330,12 @@ def test_local_plot_summarises_and_draws(tmp_path):
     assert main(paths + ["--out", str(tmp_path / "out")]) == 0
     rows = {r["method"]: r for r in json.load(open(tmp_path / "out" / "summary.json"))}
     assert set(rows) == {"glion", "dlocal_mavo:10", "dlocal_mavo:25", "diloco_adamw:10",
-                         "diloco_lion:10:outer_lr=0.1"}  # the β2 variant is no default point
+                         "diloco_lion:10:outer_lr=0.1", "dlocal_mavo:10:vote=avg", "dlocal_mavo:50:vote=avg",
+                         "dlocal_mavo:30:vote=avg"}  # the β2 variant is no default point
+    # a line run at two lrs says its lr on every point, even where that H ran at one lr only
+    assert rows["dlocal_mavo:10:vote=avg"]["label"].endswith("(lr 0.0003)")
+    assert rows["dlocal_mavo:30:vote=avg"]["label"].endswith("(lr 0.0002)")
+    assert "(lr" not in rows["dlocal_mavo:10"]["label"]
     r = rows["dlocal_mavo:10"]
     assert (r["median"], r["min"], r["max"], r["seeds"], r["H"]) == (1.81, 1.80, 1.84, [0, 1, 2], 10)
     assert rows["diloco_lion:10:outer_lr=0.1"]["line"] == "diloco_lion:outer_lr=0.1"
@@ -335,7 +344,8 @@ def test_local_plot_summarises_and_draws(tmp_path):
     # the one-H variant (outer_lr=0.1) stays in the summary but leaves the figure unless asked for
     from dlion.lab.experiments.local_plot import drawn_lines
     summary = json.load(open(tmp_path / "out" / "summary.json"))
-    assert [k[0] for k in drawn_lines(summary, all_variants=False)] == ["glion", "dlocal_mavo", "diloco_adamw"]
+    assert [k[0] for k in drawn_lines(summary, all_variants=False)] == [
+        "glion", "dlocal_mavo", "dlocal_mavo:vote=avg", "diloco_adamw"]  # Avg at lr 2e-4 has one H: left out
     assert "diloco_lion:outer_lr=0.1" in [k[0] for k in drawn_lines(summary)]
 
 

@@ -46,9 +46,10 @@ def summary_rows(runs: list[dict], points=EVERY_STEP) -> list[dict]:
         spec = canonical(r["method"])
         if parse_method(spec)[0] in LOCAL_METHODS or spec in keep:
             groups[(spec, r["lr"], r["weight_decay"])].append(r)
-    lrs = defaultdict(set)
+    lrs = defaultdict(set)  # per spec (its rows) and per line (its label: a line at two lrs names both)
     for spec, lr, wd in groups:
         lrs[spec].add((lr, wd))
+        lrs[_line(spec)].add((lr, wd))
     rows = []
     for spec in _ordered({k[0] for k in groups}):
         for lr, wd in sorted(lrs[spec]):
@@ -56,7 +57,8 @@ def summary_rows(runs: list[dict], points=EVERY_STEP) -> list[dict]:
             finals = np.array([r["final"] for r in rs], dtype=float)
             base, arg = parse_method(spec)
             local = base in LOCAL_METHODS
-            text = label(spec) + (f" (lr {lr:g})" if len(lrs[spec]) > 1 else "")
+            several = len(lrs[spec]) > 1 or (local and len(lrs[_line(spec)]) > 1)
+            text = label(spec) + (f" (lr {lr:g})" if several else "")
             rows.append({
                 "method": spec, "label": text, "kind": "every H steps" if local else "every step",
                 "line": _line(spec), "H": arg if local else 1, "workers": rs[0]["workers"],
@@ -93,7 +95,9 @@ def figure(rows: list[dict], path: str, title: str, all_variants: bool = True) -
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8.6, 4.8))
-    for ln, lr, wd in drawn_lines(rows, all_variants):
+    drawn = drawn_lines(rows, all_variants)
+    for ln, lr, wd in drawn:
+        nth = [k for k in drawn if k[0] == ln].index((ln, lr, wd))  # the same line at another lr: dotted
         pts = sorted((r for r in rows if (r["line"], r["lr"], r["weight_decay"]) == (ln, lr, wd)),
                      key=lambda r: r["bits"])
         b = ln.split(":", 1)[0]
@@ -107,7 +111,7 @@ def figure(rows: list[dict], path: str, title: str, all_variants: bool = True) -
         else:
             text = pts[0]["label"] + " (every step)"
         ax.errorbar(x, y, yerr=err, color=COLORS[b], marker=MARKERS[b], ms=9 if MARKERS[b] == "*" else 6,
-                    capsize=3, lw=1.2, ls=("-" if ln == b else "--") if local and len(pts) > 1 else "none",
+                    capsize=3, lw=1.2, ls=(("-" if ln == b else "--") if nth == 0 else ":") if local and len(pts) > 1 else "none",
                     mfc="none" if ln != b else None, label=text)
         if local:
             for r in pts:

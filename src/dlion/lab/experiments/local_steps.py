@@ -236,8 +236,9 @@ class LocalVote(LocalMethod):
         d, N = self.bits_counter.num_params, self.world_size
         b_down = 1.0 if (N % 2 == 1 or self.ties == "random") and not self.abstain_below else TRIT_BITS
         b_up = TRIT_BITS if self.abstain_below else 1.0
-        if self.vote == "avg":  # the sum of N signs, (Σ + N)/2 ∈ [0, N] in ⌈log2(N+1)⌉ bits, as dlion.wire sends it
-            b_down = float(bits_for(N + 1))
+        if self.vote == "avg":  # the sum of N signs, (Σ + N)/2 ∈ [0, N] in ⌈log2(N+1)⌉ bits, as dlion.wire sends it;
+            # with abstentions the sum is any of −N..N: ⌈log2(2N+1)⌉ bits
+            b_down = float(bits_for(2 * N + 1 if self.abstain_below else N + 1))
         self.bits_counter.add(f"all_to_all signs ({b_up:g} bits)", alltoall_bits(d * b_up, N))
         self.bits_counter.add(f"all_gather vote ({b_down:g} bits)", alltoall_bits(d * b_down, N))
         if self.error_scale:
