@@ -97,7 +97,7 @@ def figure(rows: list[dict], path: str, title: str, all_variants: bool = True) -
     fig, ax = plt.subplots(figsize=(8.6, 4.8))
     drawn = drawn_lines(rows, all_variants)
     for ln, lr, wd in drawn:
-        nth = [k for k in drawn if k[0] == ln].index((ln, lr, wd))  # the same line at another lr: dotted
+        nth = [k for k in drawn if k[0] == ln].index((ln, lr, wd))  # the same line at other lrs: dotted, dash-dot
         pts = sorted((r for r in rows if (r["line"], r["lr"], r["weight_decay"]) == (ln, lr, wd)),
                      key=lambda r: r["bits"])
         b = ln.split(":", 1)[0]
@@ -111,7 +111,8 @@ def figure(rows: list[dict], path: str, title: str, all_variants: bool = True) -
         else:
             text = pts[0]["label"] + " (every step)"
         ax.errorbar(x, y, yerr=err, color=COLORS[b], marker=MARKERS[b], ms=9 if MARKERS[b] == "*" else 6,
-                    capsize=3, lw=1.2, ls=(("-" if ln == b else "--") if nth == 0 else ":") if local and len(pts) > 1 else "none",
+                    capsize=3, lw=1.2, ls=(("-" if ln == b else "--") if nth == 0 else (":", "-.")[(nth - 1) % 2]) if local and len(pts) > 1
+                    else "none",
                     mfc="none" if ln != b else None, label=text)
         if local:
             for r in pts:
