@@ -14,7 +14,8 @@ seed 100 only (never an evaluation seed):
 Stages 1 and 2 count only runs without abstentions, so a stage-3 run never moves an lr or warm-up.
 
 Reads every ``DIR/*/ttq_results.json`` whose config has seed 100 (its lr, warm-up and method names
-from the file itself) and writes ``tune_seed100.json`` and ``tune_seed100.txt`` into DIR::
+from the file itself; a method that talks every H steps run at another H than the default 10 is a
+method of its own, ``NAME H=50``) and writes ``tune_seed100.json`` and ``tune_seed100.txt`` into DIR::
 
     python -m dlion.lab.bench.heldout docs/results/ttq-heldout
 """
@@ -27,6 +28,8 @@ import json
 import os
 
 GRID = (1e-4, 2e-4, 3e-4)
+DEFAULT_H = 10  # dlion bench ttq's --sync-every
+LOCAL_PREFIXES = ("d-local-", "diloco-")
 ABSTAIN_GRID = (0.25, 0.5, 1.0)
 WARMUP, WARMUP_ALT = 0.3, 0.1
 SEED = 100
@@ -41,7 +44,10 @@ def rows_of(root: str, target: float) -> list:
         cfg = doc.get("config", {})
         if cfg.get("seed") != SEED:
             continue
+        h = int(cfg.get("sync_every", DEFAULT_H))
         for method, curve in doc["curves"].items():
+            if method.startswith(LOCAL_PREFIXES) and h != DEFAULT_H:
+                method = f"{method} H={h}"
             rows.append({"method": method, "lr": float(cfg["lr"]), "warmup": float(cfg["warmup_frac"]),
                          "abstain_below": float(cfg.get("abstain_below", 0.0)),
                          "steps_to_target": next((s for s, v in curve if v <= target), None),
