@@ -105,14 +105,14 @@ def figure(rows: list[dict], path: str, title: str, all_variants: bool = True) -
         y = [r["median"] for r in pts]
         err = [[r["median"] - r["min"] for r in pts], [r["max"] - r["median"] for r in pts]]
         local = b in LOCAL_METHODS
+        style = ("-" if ln == b else "--", ":", "-.")[min(nth, 2)]
         if local:
             text = pts[0]["label"].replace(f" H={pts[0]['H']}", "") + ", H = " + ", ".join(
                 str(r["H"]) for r in sorted(pts, key=lambda r: r["H"]))
         else:
             text = pts[0]["label"] + " (every step)"
         ax.errorbar(x, y, yerr=err, color=COLORS[b], marker=MARKERS[b], ms=9 if MARKERS[b] == "*" else 6,
-                    capsize=3, lw=1.2, ls=(("-" if ln == b else "--") if nth == 0 else (":", "-.")[(nth - 1) % 2]) if local and len(pts) > 1
-                    else "none",
+                    capsize=3, lw=1.2, ls=style if local and len(pts) > 1 else "none",
                     mfc="none" if ln != b else None, label=text)
         if local:
             for r in pts:
