@@ -32,8 +32,8 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from dlion.codec import bits_for
 from dlion.lion import Lion
+from dlion.vote import VoteRule
 
 from .baselines import TRIT_BITS, BitCounter, alltoall_bits, ring_allreduce_bits
 
@@ -234,11 +234,9 @@ class LocalVote(LocalMethod):
                    self.generator, outer, abstain_below=self.abstain_below * self.round_lr_sum,
                    error_scale=self.alpha if self.error_scale else None, soft_outer=self.soft_outer, vote=self.vote)
         d, N = self.bits_counter.num_params, self.world_size
-        b_down = 1.0 if (N % 2 == 1 or self.ties == "random") and not self.abstain_below else TRIT_BITS
         b_up = TRIT_BITS if self.abstain_below else 1.0
-        if self.vote == "avg":  # the sum of N signs, (Σ + N)/2 ∈ [0, N] in ⌈log2(N+1)⌉ bits, as dlion.wire sends it;
-            # with abstentions the sum is any of −N..N: ⌈log2(2N+1)⌉ bits
-            b_down = float(bits_for(2 * N + 1 if self.abstain_below else N + 1))
+        # the codes back as the library's rule sends them (MaVo: 1 bit, or base 3 with zeros; Avg: the sum of the signs)
+        b_down = VoteRule(self.vote, N, self.ties).result_bits(zeros=bool(self.abstain_below))
         self.bits_counter.add(f"all_to_all signs ({b_up:g} bits)", alltoall_bits(d * b_up, N))
         self.bits_counter.add(f"all_gather vote ({b_down:g} bits)", alltoall_bits(d * b_down, N))
         if self.error_scale:
