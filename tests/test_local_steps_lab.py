@@ -237,6 +237,27 @@ def test_bits_formulas():
         assert sum(b["bits_by_collective"].values()) == pytest.approx(b["bits"])
 
 
+def test_shorter_rounds_first_end_where_the_spec_says_and_count_their_bits():
+    # sw=7:h0=3 at H = 5 over 20 steps: rounds end at 3, 6, 7 (the warm-up's end), then 12, 17, 20 (the last step)
+    p = [torch.zeros(4)]
+    m = make_method("dlocal_mavo:5:sw=7:h0=3:vote=avg", p, 4, {"lr": 0.01, "weight_decay": 0.0}, "charlm", 0, 20)
+    ends = []
+    for t in range(20):
+        before = m.syncs
+        m.step([torch.randn(4, 4)])
+        if m.syncs > before:
+            ends.append(t + 1)
+    assert ends == [3, 6, 7, 12, 17, 20]
+    # 6 rounds of Avg at N = 4: 3/4 bit up, 3/4 · 3 bits back per parameter, over 20 steps
+    assert m.bits()["bits"] == pytest.approx(6 * (0.75 + 2.25) / 20)
+    assert m.record()["warmup_steps"] == 7 and m.record()["warmup_H"] == 3
+    # h0 = 1 is the library's sync_warmup: a round per step first
+    m = make_method("dlocal_mavo:5:sw=2", [torch.zeros(4)], 4, {"lr": 0.01, "weight_decay": 0.0}, "charlm", 0, 9)
+    for _ in range(9):
+        m.step([torch.randn(4, 4)])
+    assert m.syncs == 2 + 2  # steps 1, 2, then 7 and 9 (cut short)
+
+
 def test_local_specs():
     assert parse_method("dlocal_mavo:25") == ("dlocal_mavo", 25)
     assert parse_method("dlocal_mavo") == ("dlocal_mavo", 10)
@@ -246,7 +267,9 @@ def test_local_specs():
     assert canonical("diloco_lion:10:outer_lr=0.1") == "diloco_lion:10:outer_lr=0.1"
     assert local_options("dlocal_mavo:5:ef=0") == {"H": 5, "alpha": 1.0, "ef": 0, "ties": "zero", "ob1": 0.0,
                                                    "ob2": 0.0, "ab": 0.0, "esc": 0, "osoft": 0,
-                                                   "vote": "mavo"}
+                                                   "vote": "mavo", "sw": 0, "h0": 1}
+    assert canonical("dlocal_mavo:50:h0=10:sw=200:vote=avg") == "dlocal_mavo:50:vote=avg:sw=200:h0=10"
+    assert label("dlocal_mavo:50:vote=avg:sw=200:h0=10") == "D-Local Avg H=50, H=10 for the first 200 steps"
     assert canonical("dlocal_mavo:10:osoft=1:ob1=0.5:esc=0") == "dlocal_mavo:10:ob1=0.5:osoft=1"
     assert canonical("dlocal_mavo:10:vote=avg:alpha=3") == "dlocal_mavo:10:alpha=3:vote=avg"
     assert label("dlocal_mavo:10:vote=avg:alpha=3") == "D-Local Avg H=10, α=3"
@@ -261,7 +284,8 @@ def test_local_specs():
     assert family("diloco_adamw:10") == "adamw" and family("diloco_lion_bf16:10") == "lion"
     for bad in ("dlocal_mavo:0", "dlocal_mavo:1.5", "dlocal_mavo:10:outer_lr=1", "diloco_adamw:10:alpha=1",
                 "dlocal_mavo:10:ef=2", "dlocal_mavo:10:ties=up", "diloco_lion:10:outer_momentum=1",
-                "dlocal_mavo:x", "dlocal_mavo:10:esc=2", "dlocal_mavo:10:vote=sum"):
+                "dlocal_mavo:x", "dlocal_mavo:10:esc=2", "dlocal_mavo:10:vote=sum",
+                "dlocal_mavo:10:sw=-1", "dlocal_mavo:10:sw=2.5", "dlocal_mavo:10:h0=0"):
         with pytest.raises(ValueError):
             parse_method(bad)
     config = {"methods": {"glion": {"lr": 1e-4, "weight_decay": 0.1}, "gadamw": {"lr": 3e-3, "weight_decay": 0.1}}}

@@ -125,13 +125,19 @@ def vote_round(anchor: Sequence[Tensor], workers: Sequence[Tensor], errors: Opti
 
 class LocalMethod:
     """N worker copies of ``params`` (the anchor), an inner optimizer over the stacked
-    copies, and a sync every H steps (and after the last step)."""
+    copies, and a sync every H steps (and after the last step). With ``warmup_steps`` K > 0
+    the first K steps run shorter rounds of ``warmup_H`` steps (a round also ends at step K),
+    then rounds of H: the library's ``sync_warmup`` is ``warmup_H = 1``."""
 
     local = True
 
-    def __init__(self, params, world_size: int, H: int, hp: dict, betas: dict, inner: str, total_steps: int):
+    def __init__(self, params, world_size: int, H: int, hp: dict, betas: dict, inner: str, total_steps: int,
+                 warmup_steps: int = 0, warmup_H: int = 1):
         if H < 1:
             raise ValueError(f"H must be >= 1, got {H}")
+        if warmup_steps < 0 or warmup_H < 1:
+            raise ValueError(f"warmup_steps must be >= 0 and warmup_H >= 1, got {warmup_steps}, {warmup_H}")
+        self.warmup_steps, self.warmup_H = int(warmup_steps), int(warmup_H)
         self.params = list(params)
         self.world_size = world_size
         self.H = int(H)
@@ -173,12 +179,20 @@ class LocalMethod:
         self.round_steps += 1
         self.round_lr_sum += lr
         self.bits_counter.steps += 1
-        if self.round_steps == self.H or self.step_count == self.total_steps:
+        if self._round_ends():
             with torch.no_grad():
                 self.sync()
             self.syncs += 1
             self.round_steps = 0
             self.round_lr_sum = 0.0
+
+    def _round_ends(self) -> bool:
+        n, k = self.step_count, self.warmup_steps
+        if n == self.total_steps:
+            return True
+        if n <= k:
+            return self.round_steps == self.warmup_H or n == k
+        return self.round_steps == self.H
 
     def sync(self) -> None:
         raise NotImplementedError
@@ -188,7 +202,10 @@ class LocalMethod:
                 "bits_axis": "per_rank_sent", "bits_source": "counted (formula)"}
 
     def record(self) -> dict:
-        return {"H": self.H, "syncs": self.syncs, "evaluated": "anchor"}
+        rec = {"H": self.H, "syncs": self.syncs, "evaluated": "anchor"}
+        if self.warmup_steps:
+            rec.update(warmup_steps=self.warmup_steps, warmup_H=self.warmup_H)
+        return rec
 
 
 class LocalVote(LocalMethod):
@@ -208,8 +225,8 @@ class LocalVote(LocalMethod):
     def __init__(self, params, world_size, H, hp, betas, seed, total_steps, *, alpha: float = 1.0,
                  error_feedback: bool = True, ties: str = "zero", outer_betas: tuple = (0.0, 0.0),
                  abstain_below: float = 0.0, error_scale: bool = False, soft_outer: bool = False,
-                 vote: str = "mavo"):
-        super().__init__(params, world_size, H, hp, betas, "lion", total_steps)
+                 vote: str = "mavo", warmup_steps: int = 0, warmup_H: int = 1):
+        super().__init__(params, world_size, H, hp, betas, "lion", total_steps, warmup_steps, warmup_H)
         if vote not in ("mavo", "avg"):
             raise ValueError(f"vote must be 'mavo' or 'avg', got {vote!r}")
         self.vote = vote
