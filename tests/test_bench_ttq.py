@@ -459,9 +459,10 @@ def test_across_compares_ties_only_between_runs_whose_methods_take_them():
         ttq_seeds.summarize([*plain, local])
 
 
-def test_ttq_sync_warmup_syncs_the_first_steps_and_is_not_composed_with_one_step_time(tmp_path):
+def test_ttq_sync_warmup_syncs_the_first_steps_and_is_composed_with_two_step_times(tmp_path):
     """--sync-warmup 2, H = 3: rounds end at steps 1, 2, 5, so the anchor at step 2 has moved (it has
-    not without the warm-up, above); one measured step time per method cannot time both phases."""
+    not without the warm-up, above); one measured step time per method cannot time both phases,
+    --warmup-step-times (an e2e run with --sync-every 1) times the first 2 steps."""
     rc = ttq.main(["--workers", "2", "--methods", "d-local-mavo", "--sync-every", "3", "--sync-warmup", "2",
                    "--steps", "6", "--eval-every", "2", "--eval-batches", "1", "--n-layer", "1", "--n-embd", "32",
                    "--n-head", "1", "--block-size", "16", "--target", "9.0", "--no-progress", "--out", str(tmp_path)])
@@ -479,6 +480,34 @@ def test_ttq_sync_warmup_syncs_the_first_steps_and_is_not_composed_with_one_step
         ttq._step_times(str(path), {**cfg, "sync_warmup": 2, "methods": ["d-local-mavo"]}, 4)
     with pytest.raises(SystemExit, match="--abstain-below 0.5"):  # (abstentions change the bytes)
         ttq._step_times(str(path), {**cfg, "abstain_below": 0.5, "methods": ["d-local-mavo"]}, 4)
+    # the warm-up timed apart: 2 steps at the step time of an e2e run with --sync-every 1, the rest at H = 3's
+    warm = tmp_path / "e2e_h1.json"
+    warm.write_text(json.dumps({"config": {**cfg, "sync_every": 1}, "workers": 2, "results": [
+        {"method": "d-local-mavo", "link": "50mbit", "ms_per_step": 90.0, "ms_mean": 90.0},
+        {"method": "compute", "link": "50mbit", "ms_per_step": 5.0, "ms_mean": 5.0}]}))
+    with pytest.raises(SystemExit, match="--sync-every 1"):  # (the H = 3 file is no warm-up's)
+        ttq._step_times(str(path), {**cfg, "sync_warmup": 2, "methods": ["d-local-mavo"]}, 4, "warmup")
+    model = {k: doc["config"][k] for k in ttq.MODEL_KEYS}  # (the trained workload's, for main's checks)
+    rounds = tmp_path / "e2e_h3_trained.json"
+    rounds.write_text(json.dumps({"config": {**model, "sync_every": 3}, "workers": 2, "results": [
+        {"method": "d-local-mavo", "link": "50mbit", "ms_per_step": 20.0, "ms_mean": 20.0, "params": 1000}]}))
+    warm_trained = tmp_path / "e2e_h1_trained.json"
+    warm_trained.write_text(json.dumps({**json.loads(warm.read_text()), "config": {**model, "sync_every": 1}}))
+    out = tmp_path / "composed"
+    rc = ttq.main(["--curves", str(tmp_path / "ttq_results.json"), "--step-times", str(rounds),
+                   "--warmup-step-times", str(warm_trained), "--target", str(c[6]), "--no-progress", "--out", str(out)])
+    assert rc == 0
+    comp = json.loads((out / "ttq_results.json").read_text())
+    reached = comp["composed"]["methods"]["d-local-mavo"]["steps_to_target"]
+    assert reached == next(s for s, loss in doc["curves"]["d-local-mavo"] if loss <= c[6]) > 2  # (both phases)
+    # literal: min(n, 2) steps of 90 ms, the rest 20 ms
+    want = (min(reached, 2) * 90.0 + max(reached - 2, 0) * 20.0) / 1e3
+    assert comp["composed"]["methods"]["d-local-mavo"]["time_to_target_s"]["50mbit"] == pytest.approx(want)
+    assert comp["warmup_step_times_ms"] == {"d-local-mavo": {"50mbit": 90.0}}  # (compute is no d-local-*)
+    assert "first 2 steps (--sync-warmup)" in (out / "ttq_table.txt").read_text()
+    with pytest.raises(SystemExit):  # a warm-up file without curves trained with --sync-warmup
+        ttq.main(["--curves", str(tmp_path / "ttq_results.json"), "--warmup-step-times", str(warm_trained),
+                  "--no-progress", "--out", str(out)])
     assert ttq._step_times(str(path), {**cfg, "methods": ["d-local-mavo"]}, 4)[0] == {"d-local-mavo": {"50mbit": 20.0}}
     # an e2e file measured with the same --abstain-below composes (dlion bench e2e --abstain-below 0.5)
     path.write_text(json.dumps({**e2e, "config": {**cfg, "abstain_below": 0.5}}))

@@ -149,17 +149,27 @@ def steps_to(curve: list, target: float) -> Optional[int]:
     return None
 
 
-def compose(curves: dict, step_ms: dict, reference: str = "g-lion", target: Optional[float] = None) -> dict:
+def seconds_at(steps: int, ms: float, warm_ms: Optional[float] = None, warm_steps: int = 0) -> float:
+    """Wall time of ``steps`` steps of ``ms`` each, the first ``warm_steps`` of them ``warm_ms`` each."""
+    if warm_ms is None:
+        return steps * ms / 1e3
+    return (min(steps, warm_steps) * warm_ms + max(steps - warm_steps, 0) * ms) / 1e3
+
+
+def compose(curves: dict, step_ms: dict, reference: str = "g-lion", target: Optional[float] = None,
+            warmup: Optional[tuple[int, dict]] = None) -> dict:
     """Steps-to-L and time-to-L (per link) of every method; L = ``target``, by default the
-    reference's final loss."""
+    reference's final loss. ``warmup = (K, {method: {link: ms}})``: those methods' first K steps
+    take the warm-up step time, the rest ``step_ms``'s (``--sync-warmup K``)."""
     target = curves[reference][-1][1] if target is None else target
     out = {"target_loss": target, "reference": reference, "methods": {}}
+    K, warm_ms = warmup if warmup is not None else (0, {})
     for m, curve in curves.items():
         s = steps_to(curve, target)
         row = {"steps_to_target": s, "best_loss": min(loss for _, loss in curve), "final_loss": curve[-1][1],
                "time_to_target_s": {}}
         for link, ms in step_ms.get(m, {}).items():
-            row["time_to_target_s"][link] = None if s is None else s * ms / 1e3
+            row["time_to_target_s"][link] = None if s is None else seconds_at(s, ms, warm_ms.get(m, {}).get(link), K)
         out["methods"][m] = row
     links = sorted({link for m in step_ms.values() for link in m})
     out["speedups"] = {}
@@ -248,7 +258,8 @@ def state_text(runs: dict) -> str:
         f"  {label(m):<44} {b / 2**20:8.2f} MiB" + ("" if bits is None else f"  {bits:7.3f} bits") for m, b, bits in rows)
 
 
-def plot(curves: dict, step_ms: dict, comp: dict, links: list[str], path: str, title: str) -> None:
+def plot(curves: dict, step_ms: dict, comp: dict, links: list[str], path: str, title: str,
+         warmup: Optional[tuple[int, dict]] = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -265,7 +276,9 @@ def plot(curves: dict, step_ms: dict, comp: dict, links: list[str], path: str, t
             ms = step_ms.get(m, {}).get(link)
             if ms is None:
                 continue
-            pts = [(s * ms / 1e3, loss) for s, loss in curve if s > 0]  # log time axis: from the first evaluation
+            K, warm = warmup if warmup is not None else (0, {})
+            warm_ms = warm.get(m, {}).get(link)
+            pts = [(seconds_at(s, ms, warm_ms, K), loss) for s, loss in curve if s > 0]  # log axis: from the first evaluation
             if m == "g-lion":
                 style = dict(lw=2.5, color="tab:red")
             elif m == "d-mavo-1bit-ov":
@@ -316,7 +329,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="local steps per sync of d-local-* and diloco-* (default 10; --step-times must have it too)")
     ap.add_argument("--sync-warmup", type=int, default=0, metavar="K",
                     help="d-local-*: the first K steps each end a round (LocalDistributedLion(sync_warmup=K)); "
-                         "such curves are not composed with --step-times (one step time cannot cover both phases)")
+                         "such curves are composed with --step-times only together with --warmup-step-times")
+    ap.add_argument("--warmup-step-times", default=None, metavar="E2E_RESULTS",
+                    help="with --sync-warmup K: e2e_results.json of `dlion bench e2e --sync-every 1` (same model "
+                         "and options); the d-local-* methods' first K steps take its step times")
     add_abstain_arg(ap)
     ap.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer Nesterov SGD lr (default 0.7)")
     ap.add_argument("--quant-bits", type=int, default=8)
@@ -352,9 +368,12 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _step_times(path: str, cfg: dict, workers: int) -> tuple[dict, str]:
+def _step_times(path: str, cfg: dict, workers: int, phase: str = "rounds") -> tuple[dict, str]:
     """(method -> {link: ms per step}, "mean" or "median") from an e2e result, refusing one of
-    another workload. The mean where the result has it (a run's time is the sum of its steps)."""
+    another workload. The mean where the result has it (a run's time is the sum of its steps).
+    ``phase``: "rounds" (the step times of rounds of H, ``--step-times``; curves trained with
+    ``--sync-warmup`` are then refused), "rounds+warmup" (the same, their warm-up timed apart) or
+    "warmup" (``--warmup-step-times``: the d-local-* methods measured with ``--sync-every 1``)."""
     with open(path) as f:
         doc = json.load(f)
     other = doc["config"]
@@ -370,21 +389,28 @@ def _step_times(path: str, cfg: dict, workers: int) -> tuple[dict, str]:
     # the step time of a method talking every H steps is the mean over whole rounds of that H
     local = sorted({r["method"] for r in doc["results"]} & set(cfg.get("methods", ())) & set(SYNC_EVERY))
     vote = [m for m in local if m.startswith("d-local")]  # (LocalDistributedLion's options)
-    if vote and cfg.get("sync_warmup", 0):
+    if vote and cfg.get("sync_warmup", 0) and phase == "rounds":
         raise SystemExit(f"dlion bench ttq: these curves were trained with --sync-warmup {cfg['sync_warmup']}: "
                          f"their first {cfg['sync_warmup']} steps sync every step and the rest every "
-                         f"{cfg.get('sync_every', 10)}, which one measured step time per method does not cover")
+                         f"{cfg.get('sync_every', 10)}, which one measured step time per method does not cover: "
+                         "give --warmup-step-times, measured with `dlion bench e2e --sync-every 1`")
+    want_h = 1 if phase == "warmup" else cfg.get("sync_every", 10)
+    if phase == "warmup" and not vote:
+        raise SystemExit(f"dlion bench ttq: --warmup-step-times {path} has no step times of the d-local-* "
+                         f"methods trained here ({', '.join(cfg.get('methods', ()))})")
     if vote and cfg.get("abstain_below", 0.0) != other.get("abstain_below", 0.0):
         raise SystemExit(f"dlion bench ttq: these curves were trained with --abstain-below {cfg.get('abstain_below', 0.0)}, "
                          f"{path} measured d-local-* with {other.get('abstain_below', 0.0)}: abstentions change the bytes")
-    if local and other.get("sync_every") != cfg.get("sync_every", 10):
+    if local and other.get("sync_every") != want_h:
         raise SystemExit(f"dlion bench ttq: {path} measured {', '.join(local)} with --sync-every "
-                         f"{other.get('sync_every')}, not {cfg.get('sync_every', 10)}: their step times depend on H; "
-                         f"run `dlion bench e2e --sync-every {cfg.get('sync_every', 10)}` or train with that H")
+                         f"{other.get('sync_every')}, not {want_h}: their step times depend on H; "
+                         f"run `dlion bench e2e --sync-every {want_h}`"
+                         + (" for the warm-up" if phase == "warmup" else " or train with that H"))
     stat = "mean" if all("ms_mean" in r for r in doc["results"]) else "median"
     out: dict = {}
     for r in doc["results"]:
-        out.setdefault(r["method"], {})[r["link"]] = r["ms_mean" if stat == "mean" else "ms_per_step"]
+        if phase != "warmup" or r["method"] in vote:
+            out.setdefault(r["method"], {})[r["link"]] = r["ms_mean" if stat == "mean" else "ms_per_step"]
     return out, stat
 
 
@@ -484,8 +510,13 @@ def main(argv: list[str]) -> int:
         methods = cfg["methods"] = [m for m in methods if m not in stored["curves"]]
         print(f"dlion bench ttq: workload of {args.extend} (its flags override these); "
               f"training {', '.join(methods) or 'nothing new'}")
-    step_ms, step_stat = _step_times(args.step_times, cfg, args.workers) if args.step_times else ({}, None)
-    measured_ms = step_ms
+    if args.warmup_step_times and not (args.step_times and cfg.get("sync_warmup", 0)):
+        ap.error("--warmup-step-times times the --sync-warmup steps of curves composed with --step-times: "
+                 "give both, with curves trained with --sync-warmup K > 0")
+    phase = "rounds+warmup" if args.warmup_step_times else "rounds"
+    step_ms, step_stat = _step_times(args.step_times, cfg, args.workers, phase) if args.step_times else ({}, None)
+    warm_ms = _step_times(args.warmup_step_times, cfg, args.workers, "warmup")[0] if args.warmup_step_times else {}
+    measured_ms, measured_warm_ms = step_ms, warm_ms
     if args.compute_speedup is not None:
         if not args.step_times:
             ap.error("--compute-speedup scales the step times of --step-times: give them")
@@ -494,13 +525,19 @@ def main(argv: list[str]) -> int:
                      "(drop --compute-speedup)")
         try:
             step_ms = emulated_step_times(args.step_times, step_ms, args.compute_speedup)
+            if warm_ms:
+                warm_ms = emulated_step_times(args.warmup_step_times, warm_ms, args.compute_speedup)
         except ValueError as e:
             ap.error(str(e))
     if args.links:
         try:
             step_ms = only_links(step_ms, args.links.split(","))
+            warm_ms = only_links(warm_ms, args.links.split(",")) if warm_ms else warm_ms
         except ValueError as e:
             ap.error(str(e))
+    missing = [f"{m} at {k}" for m in warm_ms for k in step_ms.get(m, {}) if k not in warm_ms[m]]
+    if missing:
+        ap.error(f"--warmup-step-times {args.warmup_step_times} has no step time of {', '.join(missing)}")
     os.makedirs(args.out, exist_ok=True)
     bar = None
     if not args.no_progress and not args.curves and methods:
@@ -544,18 +581,24 @@ def main(argv: list[str]) -> int:
         curves[method] = curves[source]
         borrowed[method] = source
     links = sorted({k for m in step_ms.values() for k in m}, key=rate_key)
-    comp = compose(curves, step_ms, target=args.target)
+    warmup = (cfg["sync_warmup"], warm_ms) if warm_ms else None
+    comp = compose(curves, step_ms, target=args.target, warmup=warmup)
     comp["target_is_reference"] = args.target is None
     doc = {"benchmark": "dlion bench ttq", "config": cfg, "workers": args.workers, "curves": curves,
            "runs": extra, "step_times_ms": step_ms, "step_times_from": os.path.basename(args.step_times or ""),
            "step_time_statistic": step_stat, "borrowed_curves": borrowed,
            "compute_speedup": args.compute_speedup, "measured_step_times_ms": measured_ms,
+           **({"warmup_step_times_ms": warm_ms, "warmup_step_times_from": os.path.basename(args.warmup_step_times),
+               "measured_warmup_step_times_ms": measured_warm_ms} if warm_ms else {}),
            "composed": comp, "elapsed_s": time.time() - t0}
     if args.check_link:
         doc["check"] = _check(args, cfg, step_ms)
     text = table(comp, links)
     if step_stat:
         text = f"times: steps × the {step_stat} step time of {os.path.basename(args.step_times)}\n" + text
+    if warm_ms:
+        text = (f"{', '.join(warm_ms)}: the first {cfg['sync_warmup']} steps (--sync-warmup) × the step time of "
+                f"--warmup-step-times {args.warmup_step_times}, the rest × that of --step-times\n") + text
     if args.compute_speedup is not None:
         text = (f"emulated host {args.compute_speedup:g}× faster at compute: each step time measured at a link "
                 f"{args.compute_speedup:g}× slower, divided by {args.compute_speedup:g}\n") + text
@@ -576,7 +619,8 @@ def main(argv: list[str]) -> int:
         plot(curves, step_ms, comp, links, os.path.join(args.out, "ttq_loss_vs_time.png"),
              f"dlion bench ttq: {args.workers} ranks, CharGPT {p / 1e6 if p else 0:.2f} M params, "
              f"{cfg['steps']} steps; time = steps × step time measured on the shaped links"
-             + (f"\n(emulated: compute {args.compute_speedup:g}× faster, see docs)" if args.compute_speedup else ""))
+             + (f"\n(emulated: compute {args.compute_speedup:g}× faster, see docs)" if args.compute_speedup else ""),
+             warmup=warmup)
     else:
         plot_steps(curves, comp, os.path.join(args.out, "ttq_loss_vs_step.png"),
                    f"dlion bench ttq: {args.workers} ranks, CharGPT {p / 1e6 if p else 0:.2f} M params, "
