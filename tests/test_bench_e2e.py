@@ -297,7 +297,7 @@ def test_a_bad_queue_is_refused_and_a_good_one_reaches_every_link(capsys, monkey
 
 def test_local_group_and_labels():
     assert e2e.parse_methods("local") == ["compute", "d-mavo-1bit-ov-rt", "g-adamw-powersgd4-ov", "d-local-mavo",
-                                          "d-local-mavo-st", "d-local-avg", "diloco-adamw", "diloco-lion", "diloco-adamw-bf16",
+                                          "d-local-mavo-st", "d-local-avg", "d-local-avg-st", "diloco-adamw", "diloco-lion", "diloco-adamw-bf16",
                                           "diloco-lion-bf16"]
     assert "d-local-mavo" not in e2e.parse_methods("all") and "d-local-mavo" not in e2e.parse_methods("dlion")
     assert e2e.label("d-local-mavo-st") == "Local D-Lion MaVo 1bit streaming"
@@ -335,14 +335,16 @@ def test_e2e_local_avg_sends_the_sum_of_the_signs_back(tmp_path):
     """d-local-avg on 2 ranks, H = 2: 1 bit up and the sum of 2 signs back in ⌈log2 3⌉ = 2 bits, (N-1)/N
     each: 1.5 bits per parameter per round (d-local-mavo with random ties: 1), plus headers, ÷ H."""
     h = 2
-    assert e2e.main(_tiny(tmp_path, 2, ["compute", "d-local-avg", "d-local-mavo"], "--ties", "random", "--steps", "4",
-                          "--warmup", "2", "--sync-every", str(h))) == 0
+    assert e2e.main(_tiny(tmp_path, 2, ["compute", "d-local-avg", "d-local-avg-st", "d-local-mavo"], "--ties", "random",
+                          "--steps", "4", "--warmup", "2", "--sync-every", str(h))) == 0
     rows = {r["method"]: r for r in json.loads((tmp_path / "e2e_results.json").read_text())["results"]}
     n = rows["compute"]["params"]
-    sent = rows["d-local-avg"]["bytes_sent_per_rank_per_step"]
-    assert 1.5 * n / 8 / h <= sent <= (1.05 * 1.5 * n / 8 + 2 * 64 * 2 * 8) / h, sent
+    for m in ("d-local-avg", "d-local-avg-st"):  # (streaming: the same bytes, behind the next round)
+        sent = rows[m]["bytes_sent_per_rank_per_step"]
+        assert 1.5 * n / 8 / h <= sent <= (1.05 * 1.5 * n / 8 + 2 * 64 * 2 * 8) / h, (m, sent)
     assert n / 8 / h <= rows["d-local-mavo"]["bytes_sent_per_rank_per_step"] < 1.5 * n / 8 / h
     assert e2e.label("d-local-avg") == "Local D-Lion Avg 1bit"
+    assert e2e.label("d-local-avg-st") == "Local D-Lion Avg 1bit streaming"
 
 
 def test_e2e_abstain_below_reaches_the_local_vote(tmp_path, capsys):

@@ -22,7 +22,8 @@ ours (dlion.DistributedLion, no DDP)
 talking every H = ``--sync-every`` steps
   ``d-local-mavo``         dlion.LocalDistributedLion (MaVo, 1bit, ``--ties``); ``d-local-mavo-st`` with
                            ``streaming=True`` (round r's vote on the wire during round r+1)
-  ``d-local-avg``          the same with ``vote="avg"`` (D-Lion Avg's rule: the sum of the signs back)
+  ``d-local-avg``          the same with ``vote="avg"`` (D-Lion Avg's rule: the sum of the signs back);
+                           ``d-local-avg-st`` streamed
   ``diloco-{adamw,lion}[-bf16]``  DiLoCo (dlion.lab.diloco, torchft's update): H inner AdamW (10 × lr, as
                            G-AdamW) or Lion steps, the pseudo-gradients averaged by an fp32 (bf16) all-reduce,
                            outer Nesterov SGD at ``--outer-lr`` (default 0.7)

@@ -28,7 +28,7 @@ DLION = tuple(f"d-{vote}-{comm}{ov}" for vote in ("mavo", "avg") for comm in ("a
 HIER = ("h-mavo-1bit", "h-mavo-allgather", "h-avg-1bit")  # HierarchicalDistributedLion (needs --nodes)
 # Methods that talk every H = --sync-every steps: LocalDistributedLion (MaVo or Avg, 1bit; -st: streaming=True) and
 # DiLoCo (dlion.lab.diloco: AdamW or Lion inner steps, the pseudo-gradients averaged in fp32 or bf16)
-LOCAL = ("d-local-mavo", "d-local-mavo-st", "d-local-avg")
+LOCAL = ("d-local-mavo", "d-local-mavo-st", "d-local-avg", "d-local-avg-st")
 DILOCO = ("diloco-adamw", "diloco-lion", "diloco-adamw-bf16", "diloco-lion-bf16")
 SYNC_EVERY = LOCAL + DILOCO
 METHODS = BASELINES + DLION + HIER + SYNC_EVERY
@@ -80,6 +80,7 @@ LABELS = {"compute": "compute only (no comm)", "sync-only": "sync only (1 value 
           "d-local-mavo": "Local D-Lion MaVo 1bit",  # (H: the result's sync_every)
           "d-local-mavo-st": "Local D-Lion MaVo 1bit streaming",
           "d-local-avg": "Local D-Lion Avg 1bit",
+          "d-local-avg-st": "Local D-Lion Avg 1bit streaming",
           **{m: f"DiLoCo {'AdamW' if 'adamw' in m else 'Lion'} {'bf16' if 'bf16' in m else 'fp32'}" for m in DILOCO}}
 POWERSGD_START_ITER = 2  # PowerSGD needs >= 2 uncompressed iterations (DDP rebuilds buckets after the first)
 POWERSGD_BUCKET_MB = 1 << 16  # one bucket for PowerSGD (see MethodRun)
@@ -107,7 +108,7 @@ def methods_from_args(ap, args) -> list[str]:
     if not args.abstain_below >= 0:
         ap.error(f"--abstain-below must be >= 0, got {args.abstain_below}")
     if args.abstain_below and not set(methods) & set(LOCAL):
-        ap.error("--abstain-below applies to the local vote only: add d-local-mavo, d-local-mavo-st or d-local-avg "
+        ap.error("--abstain-below applies to the local vote only: add d-local-mavo, d-local-mavo-st, d-local-avg or d-local-avg-st "
                  "to --methods")
     return methods
 
