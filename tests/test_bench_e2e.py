@@ -372,6 +372,27 @@ def test_e2e_abstain_below_reaches_the_local_vote(tmp_path, capsys):
         assert msg in capsys.readouterr().err
 
 
+def test_e2e_outer_scale_reaches_the_local_vote(tmp_path, capsys):
+    """--outer-scale A is LocalDistributedLion(outer_scale=A): the agreed step changes, so the last
+    loss differs from A = 1 while the bytes do not; A is recorded in the config, and refused without a
+    local method or at A <= 0."""
+    rows = {}
+    for a in ("1", "0.25"):
+        assert e2e.main(_tiny(tmp_path / a, 2, ["compute", "d-local-avg"], "--steps", "4", "--warmup", "2",
+                              "--sync-every", "2", "--outer-scale", a)) == 0
+        doc = json.loads((tmp_path / a / "e2e_results.json").read_text())
+        assert doc["config"]["outer_scale"] == float(a)
+        rows[a] = {r["method"]: r for r in doc["results"]}["d-local-avg"]
+    assert rows["0.25"]["loss_last"] != rows["1"]["loss_last"]
+    assert rows["0.25"]["bytes_sent_per_rank_per_step"] == rows["1"]["bytes_sent_per_rank_per_step"]
+    for bad, msg in ((["d-local-avg", "--outer-scale", "0"], "--outer-scale must be > 0"),
+                     (["d-local-avg", "--outer-scale", "nan"], "--outer-scale must be > 0"),
+                     (["diloco-lion", "--outer-scale", "0.5"], "applies to the local vote only")):
+        with pytest.raises(SystemExit):
+            e2e.main(["--loopback", "--methods", *bad])
+        assert msg in capsys.readouterr().err
+
+
 def test_e2e_diloco_all_reduces_every_parameter_once_per_round(tmp_path):
     """diloco-* on 3 ranks, H = 2: one ring all-reduce of every parameter per round, 2(N-1)/N × 4
     bytes (fp32) or 2 (bf16) per parameter, ÷ H per step."""

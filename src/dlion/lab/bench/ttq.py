@@ -49,7 +49,7 @@ import torch
 
 from dlion.lab.cluster import rate_key
 
-from .e2e.methods import add_abstain_arg, takes_ties
+from .e2e.methods import add_local_vote_args, takes_ties
 
 DEFAULT_METHODS = ("g-lion,g-adamw,g-lion-bf16,g-lion-powersgd1,g-lion-powersgd2,g-lion-powersgd4,"
                    "g-adamw-powersgd1,g-adamw-powersgd2,g-adamw-powersgd4,d-mavo-1bit-ov,d-avg-1bit-ov,"
@@ -333,7 +333,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup-step-times", default=None, metavar="E2E_RESULTS",
                     help="with --sync-warmup K: e2e_results.json of `dlion bench e2e --sync-every 1` (same model "
                          "and options); the d-local-* methods' first K steps take its step times")
-    add_abstain_arg(ap)
+    add_local_vote_args(ap)
     ap.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer Nesterov SGD lr (default 0.7)")
     ap.add_argument("--quant-bits", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
@@ -493,7 +493,8 @@ def main(argv: list[str]) -> int:
            "steps": args.steps, "eval_every": args.eval_every, "eval_batches": args.eval_batches,
            "warmup_frac": args.warmup_frac, "methods": methods, "timeout": args.timeout, "synthetic": False,
            "sequential": True, "warmup": 0, "per_node": args.per_node, "sync_every": args.sync_every,
-           "sync_warmup": args.sync_warmup, "abstain_below": args.abstain_below, "outer_lr": args.outer_lr,
+           "sync_warmup": args.sync_warmup, "abstain_below": args.abstain_below, "outer_scale": args.outer_scale,
+           "outer_lr": args.outer_lr,
            "nodes": args.workers // args.per_node if args.per_node else 0}
     if args.curves and args.extend:
         ap.error("--extend trains and merges; --curves only re-composes: give one of them")

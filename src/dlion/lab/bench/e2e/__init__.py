@@ -79,7 +79,7 @@ from typing import Optional
 from .instrument import Instrument
 from .launch import e2e_env_worker, run_e2e_cluster, run_e2e_loopback, make_batches, run_methods
 from .methods import (BASELINES, DLION, GROUPS, LABELS, METHODS, POWERSGD_START_ITER, SYNC_EVERY, MethodRun,
-                      add_abstain_arg, label, methods_from_args, parse_methods)
+                      add_local_vote_args, label, methods_from_args, parse_methods)
 from .report import write_report, headline, overlap, overlap_lines, plot, profile_lines, summarize, table
 
 # The package: methods (names, groups, labels, one method on one rank), instrument (byte
@@ -108,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=3, help="unmeasured steps first (default 3)")
     ap.add_argument("--sync-every", type=int, default=10, metavar="H",
                     help="local steps per sync of d-local-* and diloco-* (default 10); --steps must be a multiple")
-    add_abstain_arg(ap)
+    add_local_vote_args(ap)
     ap.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer Nesterov SGD lr (default 0.7)")
     ap.add_argument("--n-layer", type=int, default=6)
     ap.add_argument("--n-embd", type=int, default=256)
@@ -209,7 +209,7 @@ def main(argv: list[str]) -> int:
            "ties": args.ties, "timeout": args.timeout, "sequential": args.sequential, "methods": methods,
            "nodes": args.nodes, "per_node": args.per_node, "fused": args.fused, "compute_nice": args.compute_nice,
            "queue": args.queue, "sync_every": args.sync_every, "outer_lr": args.outer_lr,
-           "abstain_below": args.abstain_below}
+           "abstain_below": args.abstain_below, "outer_scale": args.outer_scale}
     if args.loopback:
         links = [("loopback", None)]
     else:

@@ -89,15 +89,18 @@ FIRST_BUCKET_MB = 2.0  # -fb methods: on CharGPT the one block-5 MLP matrix, lik
 PROFILE_RANGES = ("dlion.contribute", "dlion.exchange", "dlion.apply")
 
 
-def add_abstain_arg(ap) -> None:
-    """``--abstain-below TAU`` for e2e and ttq alike (checked by :func:`methods_from_args`)."""
+def add_local_vote_args(ap) -> None:
+    """``--abstain-below TAU`` and ``--outer-scale A`` for e2e and ttq alike (checked by :func:`methods_from_args`)."""
     ap.add_argument("--abstain-below", type=float, default=0.0, metavar="TAU",
                     help="d-local-*: a rank abstains where its round's progress is below TAU times the round's summed "
                          "lr (LocalDistributedLion(abstain_below=TAU)); default 0")
+    ap.add_argument("--outer-scale", type=float, default=1.0, metavar="A",
+                    help="d-local-*: the agreed step is A times the round's summed lr "
+                         "(LocalDistributedLion(outer_scale=A)); default 1")
 
 
 def methods_from_args(ap, args) -> list[str]:
-    """``--methods`` parsed, ``--sync-every`` and ``--abstain-below`` checked, or the parser's error (for e2e
+    """``--methods`` parsed, ``--sync-every``, ``--abstain-below`` and ``--outer-scale`` checked, or the parser's error (for e2e
     and ttq)."""
     try:
         methods = parse_methods(args.methods)
@@ -107,6 +110,10 @@ def methods_from_args(ap, args) -> list[str]:
         ap.error(f"--sync-every must be >= 1, got {args.sync_every}")
     if not args.abstain_below >= 0:
         ap.error(f"--abstain-below must be >= 0, got {args.abstain_below}")
+    if not 0 < args.outer_scale < float("inf"):
+        ap.error(f"--outer-scale must be > 0, got {args.outer_scale}")
+    if args.outer_scale != 1.0 and not set(methods) & set(LOCAL):
+        ap.error("--outer-scale applies to the local vote only: add a d-local-* method to --methods")
     if args.abstain_below and not set(methods) & set(LOCAL):
         ap.error("--abstain-below applies to the local vote only: add d-local-mavo, d-local-mavo-st, d-local-avg or d-local-avg-st "
                  "to --methods")
@@ -369,6 +376,7 @@ class MethodRun:
                                       vote=method.split("-")[2],
                                       ties=cfg["ties"], comm="1bit", sync_every=cfg.get("sync_every", 10),
                                       sync_warmup=cfg.get("sync_warmup", 0), abstain_below=cfg.get("abstain_below", 0.0),
+                                      outer_scale=cfg.get("outer_scale", 1.0),
                                       streaming=method.endswith("-st"),
                                       bucket_cap_mb=cfg["bucket_mb"], fused=fused)
             self.opt.check_replicas()
