@@ -345,7 +345,8 @@ def test_local_plot_summarises_and_draws(tmp_path):
         [rec("dlocal_mavo:25", 0, 1.83, 0.078), rec("diloco_adamw:10", 0, 1.7, 4.8, lr=3e-3),
          rec("diloco_lion:10:outer_lr=0.1", 0, 1.9, 4.8),
          rec("dlocal_mavo:10:vote=avg", 0, 1.8, 0.3, lr=3e-4), rec("dlocal_mavo:50:vote=avg", 0, 2.0, 0.06, lr=3e-4),
-         rec("dlocal_mavo:30:vote=avg", 0, 1.85, 0.1, lr=2e-4)]
+         rec("dlocal_mavo:30:vote=avg", 0, 1.85, 0.1, lr=2e-4)] + \
+        [rec("dlocal_mavo:50:alpha=0.67:vote=avg", s, 1.82, 0.06, lr=3e-4) for s in range(3)]
     paths = []
     for name, rs in (("a.jsonl", every), ("b.jsonl", local)):
         paths.append(str(tmp_path / name))
@@ -355,7 +356,7 @@ def test_local_plot_summarises_and_draws(tmp_path):
     rows = {r["method"]: r for r in json.load(open(tmp_path / "out" / "summary.json"))}
     assert set(rows) == {"glion", "dlocal_mavo:10", "dlocal_mavo:25", "diloco_adamw:10",
                          "diloco_lion:10:outer_lr=0.1", "dlocal_mavo:10:vote=avg", "dlocal_mavo:50:vote=avg",
-                         "dlocal_mavo:30:vote=avg"}  # the β2 variant is no default point
+                         "dlocal_mavo:30:vote=avg", "dlocal_mavo:50:alpha=0.67:vote=avg"}  # the β2 variant is no default point
     # a line run at two lrs says its lr on every point, even where that H ran at one lr only
     assert rows["dlocal_mavo:10:vote=avg"]["label"].endswith("(lr 0.0003)")
     assert rows["dlocal_mavo:30:vote=avg"]["label"].endswith("(lr 0.0002)")
@@ -368,8 +369,9 @@ def test_local_plot_summarises_and_draws(tmp_path):
     # the one-H variant (outer_lr=0.1) stays in the summary but leaves the figure unless asked for
     from dlion.lab.experiments.local_plot import drawn_lines
     summary = json.load(open(tmp_path / "out" / "summary.json"))
+    # Avg at lr 2e-4 has one H and one seed: left out; α = 0.67 has one H on three seeds: drawn
     assert [k[0] for k in drawn_lines(summary, all_variants=False)] == [
-        "glion", "dlocal_mavo", "dlocal_mavo:vote=avg", "diloco_adamw"]  # Avg at lr 2e-4 has one H: left out
+        "glion", "dlocal_mavo", "dlocal_mavo:vote=avg", "dlocal_mavo:alpha=0.67:vote=avg", "diloco_adamw"]
     assert "diloco_lion:outer_lr=0.1" in [k[0] for k in drawn_lines(summary)]
 
 

@@ -10,8 +10,9 @@ Reads any number of ``runs.jsonl`` files (re-run it as more runs finish) and wri
                        several) against the bits one rank sends per parameter per step (log x);
                        every local-step method (base and options) one curve over H, each point
                        marked with its H; the every-step methods (``--points``) as single points;
-                       a variant of a local-step method run at one H only (an experiment) is left
-                       out of the figure unless ``--all-variants`` (it stays in the summary);
+                       a variant of a local-step method run at one H only on fewer than three
+                       seeds (an experiment) is left out of the figure unless ``--all-variants``
+                       (it stays in the summary);
 ``summary.csv`` / ``summary.json``  one row per method spec: seeds, median / min / max / mean of
                        the final metric, bits, H, lr, weight decay, seconds per run.
 
@@ -74,14 +75,15 @@ def summary_rows(runs: list[dict], points=EVERY_STEP) -> list[dict]:
 
 def drawn_lines(rows: list[dict], all_variants: bool = True) -> list[tuple]:
     """The (line, lr, weight decay) keys the figure draws, in order: a variant of a local-step
-    method with one point only (one H) is left out unless ``all_variants``."""
+    method with one point only (one H) run on fewer than three seeds (an experiment, not an
+    evaluated setting) is left out unless ``all_variants``."""
     lines = []
     for r in rows:
         key = (r["line"], r["lr"], r["weight_decay"])
         if key in lines:
             continue
         b = r["line"].split(":", 1)[0]
-        if (not all_variants and b in LOCAL_METHODS and r["line"] != b
+        if (not all_variants and b in LOCAL_METHODS and r["line"] != b and len(r["seeds"]) < 3
                 and sum((q["line"], q["lr"], q["weight_decay"]) == key for q in rows) == 1):
             continue
         lines.append(key)
