@@ -364,9 +364,14 @@ def test_e2e_abstain_below_reaches_the_local_vote(tmp_path, capsys):
     assert rows["1e9"]["loss_last"] != rows["0"]["loss_last"]
     n = rows["0"]["params"]
     assert n / 8 / h <= rows["1e9"]["bytes_sent_per_rank_per_step"] <= (1.05 * n / 8 + 2 * 64 * 2 * 8) / h
-    for bad, msg in ((["d-local-mavo", "--abstain-below", "-1"], "--abstain-below must be >= 0"),
-                     (["d-local-mavo", "--abstain-below", "nan"], "--abstain-below must be >= 0"),
-                     (["diloco-lion", "--abstain-below", "0.5"], "applies to the local vote only")):
+    _assert_refused(capsys, (["d-local-mavo", "--abstain-below", "-1"], "--abstain-below must be >= 0"),
+                    (["d-local-mavo", "--abstain-below", "nan"], "--abstain-below must be >= 0"),
+                    (["diloco-lion", "--abstain-below", "0.5"], "applies to the local vote only"))
+
+
+def _assert_refused(capsys, *cases):
+    """Each (methods and flags, message): e2e exits with the message on stderr."""
+    for bad, msg in cases:
         with pytest.raises(SystemExit):
             e2e.main(["--loopback", "--methods", *bad])
         assert msg in capsys.readouterr().err
@@ -385,12 +390,9 @@ def test_e2e_outer_scale_reaches_the_local_vote(tmp_path, capsys):
         rows[a] = {r["method"]: r for r in doc["results"]}["d-local-avg"]
     assert rows["0.25"]["loss_last"] != rows["1"]["loss_last"]
     assert rows["0.25"]["bytes_sent_per_rank_per_step"] == rows["1"]["bytes_sent_per_rank_per_step"]
-    for bad, msg in ((["d-local-avg", "--outer-scale", "0"], "--outer-scale must be > 0"),
-                     (["d-local-avg", "--outer-scale", "nan"], "--outer-scale must be > 0"),
-                     (["diloco-lion", "--outer-scale", "0.5"], "applies to the local vote only")):
-        with pytest.raises(SystemExit):
-            e2e.main(["--loopback", "--methods", *bad])
-        assert msg in capsys.readouterr().err
+    _assert_refused(capsys, (["d-local-avg", "--outer-scale", "0"], "--outer-scale must be > 0"),
+                    (["d-local-avg", "--outer-scale", "nan"], "--outer-scale must be > 0"),
+                    (["diloco-lion", "--outer-scale", "0.5"], "applies to the local vote only"))
 
 
 def test_e2e_diloco_all_reduces_every_parameter_once_per_round(tmp_path):

@@ -269,6 +269,7 @@ def plot(curves: dict, step_ms: dict, comp: dict, links: list[str], path: str, t
     from .e2e.methods import label
 
     fig, axes = plt.subplots(1, len(links), figsize=(5.5 * len(links), 5), squeeze=False)
+    K, warm = warmup if warmup is not None else (0, {})
     for ax, link in zip(axes[0], links):
         palette = itertools.cycle(["tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan",
                                    "tab:gray", "gold", "navy", "teal", "crimson", "darkkhaki"])
@@ -276,7 +277,6 @@ def plot(curves: dict, step_ms: dict, comp: dict, links: list[str], path: str, t
             ms = step_ms.get(m, {}).get(link)
             if ms is None:
                 continue
-            K, warm = warmup if warmup is not None else (0, {})
             warm_ms = warm.get(m, {}).get(link)
             pts = [(seconds_at(s, ms, warm_ms, K), loss) for s, loss in curve if s > 0]  # log axis: from the first evaluation
             if m == "g-lion":
