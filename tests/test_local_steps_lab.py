@@ -361,6 +361,8 @@ def test_local_plot_summarises_and_draws(tmp_path):
     assert rows["dlocal_mavo:10:vote=avg"]["label"].endswith("(lr 0.0003)")
     assert rows["dlocal_mavo:30:vote=avg"]["label"].endswith("(lr 0.0002)")
     assert "(lr" not in rows["dlocal_mavo:10"]["label"]
+    # one lr on its line, but not G-Lion's (its twin): the label says it
+    assert rows["dlocal_mavo:50:alpha=0.67:vote=avg"]["label"] == "D-Local Avg H=50, α=0.67 (lr 0.0003)"
     r = rows["dlocal_mavo:10"]
     assert (r["median"], r["min"], r["max"], r["seeds"], r["H"]) == (1.81, 1.80, 1.84, [0, 1, 2], 10)
     assert rows["diloco_lion:10:outer_lr=0.1"]["line"] == "diloco_lion:outer_lr=0.1"

@@ -7,18 +7,21 @@ Reads any number of ``runs.jsonl`` files (re-run it as more runs finish) and wri
 ``--out``:
 
 ``final_vs_bits.png``  final validation loss (median over seeds, min–max bar where there are
-                       several) against the bits one rank sends per parameter per step (log x);
+                       several) against the bits one rank sends per parameter per step (log x),
+                       two panels: left, only the settings run on three seeds or more (the
+                       evidence); right, every setting run (one seed where there is no bar);
                        every local-step method (base and options) one curve over H, each point
                        marked with its H; the every-step methods (``--points``) as single points;
-                       a variant of a local-step method run at one H only on fewer than three
-                       seeds (an experiment) is left out of the figure unless ``--all-variants``
-                       (it stays in the summary);
+                       a dotted line at G-Lion's median + 1 %. On the right, a variant of a
+                       local-step method run at one H only on fewer than three seeds (an
+                       experiment) is left out unless ``--all-variants`` (it stays in the summary);
 ``summary.csv`` / ``summary.json``  one row per method spec: seeds, median / min / max / mean of
                        the final metric, bits, H, lr, weight decay, seconds per run.
 
 Runs are filtered to one task, N (``--workers``) and step budget (``--steps``), tuning runs
 left out; where one spec ran with several learning rates, each (spec, lr, wd) is its own row
-(and the label says the lr).
+(and the label says the lr); a local-step method's label also says its lr where it differs
+from the lr of its every-step twin (G-Lion for the local vote) among the runs.
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ from collections import defaultdict
 
 import numpy as np
 
-from .plots import COLORS, MARKERS, _line, _ordered, _save
-from .runner import LOCAL_METHODS, canonical, common_bits, label, load_runs, parse_method
+from .plots import COLORS, MARKERS, _line, _ordered
+from .runner import LOCAL_METHODS, LOCAL_TWIN, canonical, common_bits, label, load_runs, parse_method
 
 __all__ = ["main", "summary_rows", "drawn_lines"]
 
@@ -58,7 +61,9 @@ def summary_rows(runs: list[dict], points=EVERY_STEP) -> list[dict]:
             finals = np.array([r["final"] for r in rs], dtype=float)
             base, arg = parse_method(spec)
             local = base in LOCAL_METHODS
-            several = len(lrs[spec]) > 1 or (local and len(lrs[_line(spec)]) > 1)
+            twin = lrs.get(LOCAL_TWIN.get(base, ""), set())
+            several = len(lrs[spec]) > 1 or (local and (len(lrs[_line(spec)]) > 1
+                                                        or bool(twin and (lr, wd) not in twin)))
             text = label(spec) + (f" (lr {lr:g})" if several else "")
             rows.append({
                 "method": spec, "label": text, "kind": "every H steps" if local else "every step",
@@ -90,18 +95,14 @@ def drawn_lines(rows: list[dict], all_variants: bool = True) -> list[tuple]:
     return lines
 
 
-def figure(rows: list[dict], path: str, title: str, all_variants: bool = True) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8.6, 4.8))
-    drawn = drawn_lines(rows, all_variants)
+def _draw(ax, rows: list[dict], drawn: list[tuple], min_seeds: int) -> None:
+    """The lines ``drawn`` on ``ax``, each through its points run on ``min_seeds`` seeds or more."""
     for ln, lr, wd in drawn:
         nth = [k for k in drawn if k[0] == ln].index((ln, lr, wd))  # the same line at other lrs: dotted, dash-dot
-        pts = sorted((r for r in rows if (r["line"], r["lr"], r["weight_decay"]) == (ln, lr, wd)),
-                     key=lambda r: r["bits"])
+        pts = sorted((r for r in rows if (r["line"], r["lr"], r["weight_decay"]) == (ln, lr, wd)
+                      and len(r["seeds"]) >= min_seeds), key=lambda r: r["bits"])
+        if not pts:
+            continue
         b = ln.split(":", 1)[0]
         x = [r["bits"] for r in pts]
         y = [r["median"] for r in pts]
@@ -120,13 +121,34 @@ def figure(rows: list[dict], path: str, title: str, all_variants: bool = True) -
             for r in pts:
                 ax.annotate(f"H={r['H']}", (r["bits"], r["median"]), textcoords="offset points", xytext=(4, 4),
                             fontsize=6, color=COLORS[b])
+    ref = [r for r in rows if r["method"] == "glion"]
+    if ref:
+        ax.axhline(ref[0]["median"] * 1.01, color=COLORS["glion"], ls=":", lw=1, label="G-Lion's median + 1 %")
     ax.set_xscale("log")
     ax.set_xlabel("bits one rank sends per parameter per step (counted; log)")
-    ax.set_ylabel("final validation loss (median over seeds, min–max)")
-    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    return _save(fig, path)
+
+
+def figure(rows: list[dict], path: str, title: str, all_variants: bool = True) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 7.2))
+    drawn = drawn_lines(rows, all_variants)
+    _draw(left, rows, drawn, min_seeds=3)
+    left.set_title("settings run on 3 seeds or more", fontsize=9)
+    left.set_ylabel("final validation loss (median over seeds, min–max)")
+    _draw(right, rows, drawn, min_seeds=1)
+    right.set_title("every setting run (no bar: one seed)", fontsize=9)
+    fig.suptitle(title, fontsize=10)
+    handles, labels = right.get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=2, frameon=False)
+    fig.tight_layout(rect=(0, 0.05 + 0.0125 * ((len(labels) + 1) // 2), 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
