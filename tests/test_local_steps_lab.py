@@ -386,3 +386,29 @@ def test_the_ab_option_reaches_the_vote():
             m.step([torch.randn(3, 3, 2, generator=torch.Generator().manual_seed(1))])
         assert m.syncs == 1 and bool(p[0].abs().sum() > 0) == moves, spec
         assert m.record()["abstain_below"] == (1e9 if not moves else 0.0)
+
+
+def test_local_early_traces_without_touching_the_run():
+    import math
+
+    from dlion.lab.experiments.local_early import trace
+
+    hp, budget, H, steps = {"lr": 3e-4, "weight_decay": 0.1}, 2000, 2, 4
+    syncs, traced = trace("dlocal_mavo:2:alpha=0.67:vote=avg", 0, steps, budget, hp)
+    # the same run untraced: the same anchor, bit for bit
+    task = make_task("charlm")
+    model = task.make_model(0)
+    params = list(model.parameters())
+    m = make_method("dlocal_mavo:2:alpha=0.67:vote=avg", params, 4, hp, "charlm", 0, budget)
+    for step, (x, y, _) in enumerate(task.batches(4, 0, budget)):
+        if step == steps:
+            break
+        m.step(task.per_worker_grads(model, x, y, m.worker_params)[0], task.lr_factor(step, budget))
+    assert all(torch.equal(a, b) for a, b in zip(traced, params))
+    assert [r["step"] for r in syncs] == [2, 4]
+    # S: the warm-up's lr (step + 1)/W · lr, W = ⌈0.05 · 2000⌉ = 100, summed over each round
+    for r, first in zip(syncs, (0, 2)):
+        assert math.isclose(r["S"], sum(3e-4 * (s + 1) / 100 for s in range(first, first + H)), rel_tol=1e-12)
+        assert 0.0 <= r["all_agree"] <= 1.0 and r["largest_relative_step"] > 0
+    # the anchor's loss after the last sync is the model's own
+    assert syncs[-1]["anchor_loss"] == task.evaluate(model)
