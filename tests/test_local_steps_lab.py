@@ -412,3 +412,19 @@ def test_local_early_traces_without_touching_the_run():
         assert 0.0 <= r["all_agree"] <= 1.0 and r["largest_relative_step"] > 0
     # the anchor's loss after the last sync is the model's own
     assert syncs[-1]["anchor_loss"] == task.evaluate(model)
+
+
+def test_the_mr_option_resets_every_ranks_momentum_at_a_sync():
+    # H = 2, 3 steps: after the sync at step 2 the momenta are 0 with mr=1, then step 3 rebuilds them from
+    # its gradient alone: m = (1 − β2)·g; without mr they carry the first two steps
+    b2 = BETAS["charlm"]["lion"][1]
+    g = [torch.randn(3, 4, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+    for mr in (1, 0):
+        p = [torch.zeros(4)]
+        m = make_method(f"dlocal_mavo:2:mr={mr}:vote=avg", p, 3, {"lr": 0.01, "weight_decay": 0.0}, "charlm", 0, 8)
+        assert m.record()["momentum_reset"] is bool(mr)
+        for k in range(3):
+            m.step([g[k]])
+        mom = m.inner.state[m.workers[0]]["exp_avg"]
+        expected = (1 - b2) * g[2] if mr else (1 - b2) * (b2 * b2 * g[0] + b2 * g[1] + g[2])
+        assert torch.allclose(mom, expected, rtol=1e-6, atol=1e-8), mr

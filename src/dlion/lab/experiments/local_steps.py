@@ -225,8 +225,9 @@ class LocalVote(LocalMethod):
     def __init__(self, params, world_size, H, hp, betas, seed, total_steps, *, alpha: float = 1.0,
                  error_feedback: bool = True, ties: str = "zero", outer_betas: tuple = (0.0, 0.0),
                  abstain_below: float = 0.0, error_scale: bool = False, soft_outer: bool = False,
-                 vote: str = "mavo", warmup_steps: int = 0, warmup_H: int = 1):
+                 vote: str = "mavo", warmup_steps: int = 0, warmup_H: int = 1, momentum_reset: bool = False):
         super().__init__(params, world_size, H, hp, betas, "lion", total_steps, warmup_steps, warmup_H)
+        self.momentum_reset = bool(momentum_reset)
         if vote not in ("mavo", "avg"):
             raise ValueError(f"vote must be 'mavo' or 'avg', got {vote!r}")
         self.vote = vote
@@ -250,6 +251,9 @@ class LocalVote(LocalMethod):
         vote_round(self.params, self.workers, self.errors, self.alpha * self.round_lr_sum, self.ties,
                    self.generator, outer, abstain_below=self.abstain_below * self.round_lr_sum,
                    error_scale=self.alpha if self.error_scale else None, soft_outer=self.soft_outer, vote=self.vote)
+        if self.momentum_reset:  # an experiment: every rank's Lion momentum back to 0 at every sync (no bits)
+            for state in self.inner.state.values():
+                state["exp_avg"].zero_()
         d, N = self.bits_counter.num_params, self.world_size
         b_up = TRIT_BITS if self.abstain_below else 1.0
         # the codes back as the library's rule sends them (MaVo: 1 bit, or base 3 with zeros; Avg: the sum of the signs)
@@ -262,7 +266,8 @@ class LocalVote(LocalMethod):
     def record(self) -> dict:
         return dict(super().record(), alpha=self.alpha, error_feedback=self.errors is not None, ties=self.ties,
                     outer_betas=list(self.outer_betas), abstain_below=self.abstain_below,
-                    error_scale=self.error_scale, soft_outer=self.soft_outer, vote=self.vote)
+                    error_scale=self.error_scale, soft_outer=self.soft_outer, vote=self.vote,
+                    momentum_reset=self.momentum_reset)
 
 
 class DiLoCo(LocalMethod):

@@ -40,6 +40,8 @@ base                    round (H local steps, then)                             
                         ``vote=avg``: Δ = mean_i sign(e_i), D-Lion Avg's rule)
                         (``sw=K``, ``h0=H0``: rounds of H0 steps for the first K steps,    ``sw`` (0), ``h0`` (1)
                         then of H; ``h0=1`` is the library's ``sync_warmup=K``)
+                        (``mr=1``: every rank's Lion momentum reset to 0 at each sync;     ``mr`` (0: off)
+                        an experiment)
 ``diloco_adamw``        local AdamW; fp32 mean pseudo-gradient → outer Nesterov SGD        ``outer_lr`` (0.7),
                                                                                            ``outer_momentum`` (0.9)
 ``diloco_lion``         local Lion; the same outer step                                   as above
@@ -98,7 +100,7 @@ ALL_METHODS = METHODS + LOCAL_METHODS
 DEFAULT_H = 10
 # options of a local-step spec, in their canonical order, with defaults
 LOCAL_OPTIONS = {"dlocal_mavo": {"alpha": 1.0, "ef": 1, "ties": "zero", "ob1": 0.0, "ob2": 0.0, "ab": 0.0,
-                                 "esc": 0, "osoft": 0, "vote": "mavo", "sw": 0, "h0": 1},
+                                 "esc": 0, "osoft": 0, "vote": "mavo", "sw": 0, "h0": 1, "mr": 0},
                  **{b: {"outer_lr": 0.7, "outer_momentum": 0.9} for b in LOCAL_METHODS if b.startswith("diloco")}}
 # the every-step method whose tuned lr / weight decay a local-step method takes by default
 LOCAL_TWIN = {"dlocal_mavo": "glion", "diloco_adamw": "gadamw", "diloco_adamw_bf16": "gadamw",
@@ -159,7 +161,7 @@ def local_options(spec: str) -> dict:
             if not value.isdigit() or (key == "h0" and int(value) < 1):
                 raise ValueError(f"{key} must be an integer >= {0 if key == 'sw' else 1}, got {spec!r}")
             out[key] = int(value)
-        elif key in ("ef", "esc", "osoft"):
+        elif key in ("ef", "esc", "osoft", "mr"):
             if value not in ("0", "1"):
                 raise ValueError(f"{key} must be 0 or 1, got {spec!r}")
             out[key] = int(value)
@@ -486,7 +488,7 @@ def make_method(spec, params, world_size, hp, task_name, seed, total_steps):
             return L.LocalVote(params, world_size, o["H"], hp, betas, seed, total_steps, alpha=o["alpha"],
                                error_feedback=bool(o["ef"]), ties=o["ties"], outer_betas=(o["ob1"], o["ob2"]),
                                abstain_below=o["ab"], error_scale=bool(o["esc"]), soft_outer=bool(o["osoft"]),
-                               vote=o["vote"], warmup_steps=o["sw"], warmup_H=o["h0"])
+                               vote=o["vote"], warmup_steps=o["sw"], warmup_H=o["h0"], momentum_reset=bool(o["mr"]))
         return L.DiLoCo(params, world_size, o["H"], hp, betas, seed, total_steps,
                         inner="adamw" if "adamw" in name else "lion", bf16=name.endswith("_bf16"),
                         outer_lr=o["outer_lr"], outer_momentum=o["outer_momentum"])
