@@ -267,7 +267,7 @@ def test_local_specs():
     assert canonical("diloco_lion:10:outer_lr=0.1") == "diloco_lion:10:outer_lr=0.1"
     assert local_options("dlocal_mavo:5:ef=0") == {"H": 5, "alpha": 1.0, "ef": 0, "ties": "zero", "ob1": 0.0,
                                                    "ob2": 0.0, "ab": 0.0, "esc": 0, "osoft": 0,
-                                                   "vote": "mavo", "sw": 0, "h0": 1}
+                                                   "vote": "mavo", "sw": 0, "h0": 1, "mr": 0}
     assert canonical("dlocal_mavo:50:h0=10:sw=200:vote=avg") == "dlocal_mavo:50:vote=avg:sw=200:h0=10"
     assert label("dlocal_mavo:50:vote=avg:sw=200:h0=10") == "D-Local Avg H=50, H=10 for the first 200 steps"
     assert canonical("dlocal_mavo:10:osoft=1:ob1=0.5:esc=0") == "dlocal_mavo:10:ob1=0.5:osoft=1"
@@ -423,6 +423,7 @@ def test_the_mr_option_resets_every_ranks_momentum_at_a_sync():
         p = [torch.zeros(4)]
         m = make_method(f"dlocal_mavo:2:mr={mr}:vote=avg", p, 3, {"lr": 0.01, "weight_decay": 0.0}, "charlm", 0, 8)
         assert m.record()["momentum_reset"] is bool(mr)
+        assert label(f"dlocal_mavo:2:mr={mr}:vote=avg").endswith(", momenta reset at each sync") is bool(mr)
         for k in range(3):
             m.step([g[k]])
         mom = m.inner.state[m.workers[0]]["exp_avg"]

@@ -306,6 +306,8 @@ def label(spec: str, legacy: bool = False) -> str:
             text = text.replace("MaVo", "Avg")
         if opts.get("sw", 0):
             text += f", H={opts['h0']} for the first {opts['sw']} steps"
+        if opts.get("mr", 0):
+            text += ", momenta reset at each sync"
         if opts.get("outer_lr", 0.7) != 0.7:
             text += f", outer lr {opts['outer_lr']:g}"
         if opts.get("outer_momentum", 0.9) != 0.9:
