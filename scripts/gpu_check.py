@@ -19,6 +19,8 @@ after warm-up (CUDA events on the GPU, wall clock on the CPU):
   and bitvote's bit-sliced adder written in torch ops (not library code: the reference);
 * the decoding of the 1-bit codes (``SignCodec.decode``) and their application
   (``buckets.apply_codes``), apart and together;
+* one rank's training step of the ``dlion bench ttq`` / ``e2e`` workload (CharGPT 6 × 256, batch
+  4 × 64; fp32 and bf16 autocast): what ``--compute-speedup`` stands for;
 * one ``SimulatedDistributedLion`` step at N = 4 (100 parameters, default buckets) and the part of
   it spent in the exchange (every worker's encoding, the simulated collectives, the vote and the
   decoding), against the local Lion step.
@@ -212,7 +214,7 @@ def library_vote(rows: torch.Tensor, world: int, n: int, alg: OneBit):
     if _torch_vote(rows):
         codes, tally = alg._vote_packed_torch(rows, n, n, 0, 0, contrib, codes=True)
         return codec.encode(codes), tally
-    s, nz = alg._count(rows, "runs", world, n, None, 0, 0, n, False)
+    s, nz = alg.count_votes(rows, "runs", world, n, None, 0, 0, n, False)
     return codec.encode(alg.rule.decide(s, nz, key=0, start=0)), vote_tally(s, nz, world, n)
 
 
@@ -320,12 +322,13 @@ def bench_simulated_step(b: Bench, n: int, world: int = 4):
         grads = [[torch.randn_like(p) for p in ps] for _ in range(world)]
         state["buckets"] = len(sim.buckets)
         state["exchange_ms"] = []
-        original = simulate_module._lockstep
+        # the step runs every bucket's exchange through _lockstep_all (one call per step)
+        original = simulate_module._lockstep_all
 
-        def timed(gens, stats):
+        def timed(runs, stats):
             b.sync()
             t = time.perf_counter()
-            out = original(gens, stats)
+            out = original(runs, stats)
             b.sync()
             state["exchange_ms"][-1] += (time.perf_counter() - t) * 1e3
             return out
@@ -333,11 +336,11 @@ def bench_simulated_step(b: Bench, n: int, world: int = 4):
         def run():
             state["exchange_ms"].append(0.0)
             if timed_exchange:
-                simulate_module._lockstep = timed
+                simulate_module._lockstep_all = timed
             try:
                 sim.step(grads)
             finally:
-                simulate_module._lockstep = original
+                simulate_module._lockstep_all = original
         return run
 
     # bytes: every worker's contribution (read m, g; write int8) and momentum update (read m, g; write m),
@@ -357,6 +360,33 @@ def bench_simulated_step(b: Bench, n: int, world: int = 4):
         b.row(f"  exchange per worker (/{world})", per, None,
               f"{per / lion['ms']:.2f}x the local Lion step" if lion else "", vs_local_lion=per / lion["ms"]
               if lion else None)
+
+
+def bench_workload_step(b: Bench, n: int):
+    """One rank's compute of ``dlion bench ttq`` / ``e2e`` (their defaults: CharGPT, 6 layers, width 256,
+    4 heads, batch 4 × 64 characters, 65-letter vocabulary): zero_grad, forward, loss, backward and
+    the local Lion step. What ``--compute-speedup K`` divides this machine's compute by."""
+    from dlion.lab.models import CharGPT
+
+    cuda = b.device.type == "cuda"
+    for autocast in ((False, True) if cuda else (False,)):  # (bf16 on the CPU: seconds a step)
+        def setup(autocast=autocast):
+            g = torch.Generator().manual_seed(0)
+            model = CharGPT(65, block_size=64, n_layer=6, n_head=4, n_embd=256).to(b.device)
+            opt = dlion.Lion(model.parameters(), lr=1e-4, weight_decay=0.1)
+            x = torch.randint(0, 65, (4, 64), generator=g).to(b.device)
+            y = torch.randint(0, 65, (4, 64), generator=g).to(b.device)
+
+            def run():
+                opt.zero_grad(set_to_none=True)
+                with torch.autocast(b.device.type, dtype=torch.bfloat16, enabled=autocast):
+                    _, loss = model(x, y)
+                loss.backward()
+                opt.step()
+            return run
+        b.measure(f"ttq workload step (CharGPT 6x256, batch 4x64{', bf16 autocast' if autocast else ''})", setup,
+                  None, "zero_grad + forward + backward + dlion.Lion step, one rank",
+                  reps=20 if cuda else 3, warmup=5 if cuda else 1)
 
 
 # -- output ---------------------------------------------------------------------------------
@@ -406,7 +436,7 @@ def main(argv=None) -> int:
           f"peak {fmt(b.peak, '.0f') or '?'} GB/s ({b.peak_source}), n = {n:,}", flush=True)
     t0 = time.perf_counter()
     for part in (bench_copy, bench_lion, bench_contribute_and_pack, bench_vote, bench_unpack_apply,
-                 bench_simulated_step):
+                 bench_simulated_step, bench_workload_step):
         t = time.perf_counter()
         try:
             part(b, n)

@@ -122,3 +122,24 @@ def test_bucket_ready_times_script_reports_every_bucket_in_backward_order(tmp_pa
     assert ready == sorted(ready)
     assert doc["per_step"][0]["forward_ms"] < ready[0]
     assert ready[-1] <= doc["per_step"][0]["forward_ms"] + doc["per_step"][0]["backward_ms"] + 5
+
+
+def test_gpu_check_script_runs_every_measurement_on_the_cpu(tmp_path):
+    """scripts/gpu_check.py (run on a GPU by scripts/gpu_check.sh) on the CPU, tiny: every row
+    measured without an error, the simulated step's exchange timed (not 0: the hook it times
+    through is the one the simulator calls) and the ttq workload's step timed."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**__import__("os").environ, "PYTHONPATH": str(root / "src")}
+    subprocess.run([sys.executable, str(root / "scripts" / "gpu_check.py"), "--numel", "80000", "--reps", "2",
+                    "--out", str(tmp_path)], check=True, capture_output=True, timeout=300, env=env)
+    doc = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert doc["failed"] == [] and not [r for r in doc["rows"] if r.get("error") and not r.get("expected_error")]
+    rows = {r["name"].strip(): r for r in doc["rows"]}
+    exchange = rows["its exchange (all 4 workers, host-timed)"]
+    assert exchange["ms"] > 0 and len(exchange["exchange_runs_ms"]) >= 2
+    assert rows["ttq workload step (CharGPT 6x256, batch 4x64)"]["ms"] > 0
