@@ -395,6 +395,22 @@ def test_e2e_outer_scale_reaches_the_local_vote(tmp_path, capsys):
                     (["diloco-lion", "--outer-scale", "0.5"], "applies to the local vote only"))
 
 
+def test_e2e_reset_momentum_reaches_the_local_vote(tmp_path, capsys):
+    """--reset-momentum is LocalDistributedLion(reset_momentum=True): the first loss (before any sync)
+    is the same, the last differs, the bytes do not; recorded in the config, refused without a local method."""
+    rows = {}
+    for name, flags in (("kept", []), ("reset", ["--reset-momentum"])):
+        assert e2e.main(_tiny(tmp_path / name, 2, ["compute", "d-local-avg"], "--steps", "4", "--warmup", "2",
+                              "--sync-every", "2", *flags)) == 0
+        doc = json.loads((tmp_path / name / "e2e_results.json").read_text())
+        assert doc["config"]["reset_momentum"] is (name == "reset")
+        rows[name] = {r["method"]: r for r in doc["results"]}["d-local-avg"]
+    assert rows["reset"]["loss_first"] == rows["kept"]["loss_first"]
+    assert rows["reset"]["loss_last"] != rows["kept"]["loss_last"]
+    assert rows["reset"]["bytes_sent_per_rank_per_step"] == rows["kept"]["bytes_sent_per_rank_per_step"]
+    _assert_refused(capsys, (["diloco-lion", "--reset-momentum"], "applies to the local vote only"))
+
+
 def test_e2e_diloco_all_reduces_every_parameter_once_per_round(tmp_path):
     """diloco-* on 3 ranks, H = 2: one ring all-reduce of every parameter per round, 2(N-1)/N × 4
     bytes (fp32) or 2 (bf16) per parameter, ÷ H per step."""

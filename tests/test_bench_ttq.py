@@ -282,6 +282,23 @@ def test_across_seeds_keeps_the_local_vote_with_abstentions_apart():
     assert "Local D-Lion MaVo 1bit (abstain_below 0.5): steps to L 800 / never" in ttq_seeds.table(s)
 
 
+def test_across_seeds_keeps_the_local_vote_with_reset_momenta_apart():
+    """The local vote trained with --reset-momentum is a row of its own, labelled so; other methods'
+    flag is not a setting of theirs."""
+    from dlion.lab.bench import ttq_seeds
+
+    plain = {"d-local-avg": (900, 2.0, {"1gbit": 10.0}), "g-lion": (500, 1.9, {"1gbit": 30.0})}
+    docs = [_seed_doc(0, plain), _seed_doc(1, plain)]
+    for k, st in ((0, 700), (1, 750)):
+        d = _seed_doc(k, {"d-local-avg": (st, 2.1, {"1gbit": 11.0})})
+        d["config"]["reset_momentum"] = True
+        docs.append(d)
+    s = ttq_seeds.summarize(docs)
+    assert list(s["methods"]) == ["d-local-avg", "g-lion", "d-local-avg|reset_momentum"]
+    assert s["methods"]["d-local-avg|reset_momentum"]["steps_to_target"] == [700, 750]
+    assert "Local D-Lion Avg 1bit (momenta reset at each sync): steps to L 700 / 750" in ttq_seeds.table(s)
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(target=2.0), "targets differ"), (dict(seed=0), "seeds repeat"), (dict(steps=2000), "steps")])
 def test_across_seeds_refuses_runs_that_are_not_one_experiment(change, message):

@@ -87,15 +87,19 @@ def test_a_local_method_at_another_h_is_a_method_of_its_own(tmp_path):
                                   ("h50-1", 50, 1e-4, 1.0, [[0, 3.0], [20, 2.0]]),
                                   ("h50-2", 50, 2e-4, 1.0, [[0, 3.0], [10, 2.0]]),
                                   ("h50-a1", 50, 2e-4, 0.67, [[0, 3.0], [30, 2.0]]),  # slower than 3e-4 at α = 0.67
-                                  ("h50-a2", 50, 3e-4, 0.67, [[0, 3.0], [20, 2.0]])):
+                                  ("h50-a2", 50, 3e-4, 0.67, [[0, 3.0], [20, 2.0]]),
+                                  ("h50-r1", 50, 2e-4, "0.67r", [[0, 3.0], [10, 2.0]]),  # with the momenta reset
+                                  ("h50-r2", 50, 3e-4, "0.67r", [[0, 3.0], [25, 2.0]])):
         _write(tmp_path, name, {"d-local-avg": curve, "g-lion": [[0, 3.0], [30, 2.0]]}, lr)
         doc = json.loads((tmp_path / name / "ttq_results.json").read_text())
         doc["config"]["sync_every"] = h
         if a != 1.0:
-            doc["config"]["outer_scale"] = a
+            doc["config"]["outer_scale"] = float(str(a).rstrip("r"))
+            doc["config"]["reset_momentum"] = str(a).endswith("r")
         (tmp_path / name / "ttq_results.json").write_text(json.dumps(doc))
     chosen = heldout.choose(heldout.rows_of(str(tmp_path), 2.1))
     # H = 50's lr is chosen among its own runs only, and so at another outer scale; every-step methods
     # ignore --sync-every
     assert {m: c["lr"] for m, c in chosen.items()} == {"d-local-avg": 1e-4, "d-local-avg H=50": 2e-4,
-                                                       "d-local-avg H=50 α=0.67": 3e-4, "g-lion": 1e-4}
+                                                       "d-local-avg H=50 α=0.67": 3e-4,
+                                                       "d-local-avg H=50 α=0.67 reset": 2e-4, "g-lion": 1e-4}

@@ -45,10 +45,11 @@ def kept(c, tau, S):
 
 
 def reference(world, steps, H, vote="mavo", ef=True, alpha=1.0, dense=False, batches=None, missing=(), warmup=0,
-              tau=0.0):
+              tau=0.0, reset=False):
     """Every worker's local parameters after each step, and the anchor after each sync; worker i has
     no gradient at all from step batches[i] on (``batches``) and at the steps (i, t) in ``missing``;
-    the first ``warmup`` steps each end a round; a worker abstains where |c| < tau·S."""
+    the first ``warmup`` steps each end a round; a worker abstains where |c| < tau·S; ``reset``:
+    every worker's momentum is 0 again after each sync."""
     x0 = init_params(0)  # rank 0's: the optimizer broadcasts them
     anchor = [p.clone() for p in x0]
     xs = [[p.clone() for p in x0] for _ in range(world)]
@@ -79,16 +80,18 @@ def reference(world, steps, H, vote="mavo", ef=True, alpha=1.0, dense=False, bat
                     c = cs[i]
                     es[i][j] = c - c.abs().mean() * kept(c, tau, S)
                 xs[i][j] = anchor[j].clone()
+                if reset:
+                    ms[i][j] = torch.zeros_like(ms[i][j])
         anchors[t + 1] = [a.clone() for a in anchor]
         touched = [[False] * len(x0) for _ in range(world)]
         S = 0.0
     return anchors, xs
 
 
-def reference_streaming(world, steps, H, vote="mavo", ef=True, alpha=1.0, batches=None, warmup=0):
+def reference_streaming(world, steps, H, vote="mavo", ef=True, alpha=1.0, batches=None, warmup=0, reset=False):
     """Streaming: round r's vote is applied at the end of round r + 1, replacing each worker's own
     progress of round r; returns the anchor after each round's end and every worker's parameters
-    at the end (before any flush)."""
+    at the end (before any flush); ``reset``: every worker's momentum is 0 again at each round's end."""
     x0 = init_params(0)
     anchor = [p.clone() for p in x0]
     xs = [[p.clone() for p in x0] for _ in range(world)]
@@ -116,6 +119,8 @@ def reference_streaming(world, steps, H, vote="mavo", ef=True, alpha=1.0, batche
                     xs[i][j] = new + ((xs[i][j] - anchor[j]) + progress[i][j])
                 anchor[j] = new
         starts = [[x.clone() for x in xs[i]] for i in range(world)]
+        if reset:
+            ms = [[torch.zeros_like(p) for p in x0] for _ in range(world)]
         delta, active = [], []
         for j in range(len(x0)):
             cs = [ds[i][j] + (es[i][j] if ef else 0) for i in range(world)]
@@ -140,7 +145,7 @@ def local_worker(rank, world, configs):
         params = [p.requires_grad_() for p in init_params(rank)]
         opt = dlion.LocalDistributedLion(params, lr=LR, betas=BETAS, weight_decay=WD, sync_every=cfg["H"],
                                          sync_warmup=cfg.get("W", 0), streaming=cfg.get("streaming", False),
-                                         abstain_below=cfg.get("tau", 0.0),
+                                         abstain_below=cfg.get("tau", 0.0), reset_momentum=cfg.get("reset", False),
                                          vote=cfg.get("vote", "mavo"), ties=cfg.get("ties", "zero"),
                                          comm=cfg.get("comm", "1bit"), error_feedback=cfg.get("ef", True),
                                          outer_scale=cfg.get("alpha", 1.0), seed=3,
@@ -157,6 +162,7 @@ def local_worker(rank, world, configs):
                 else:
                     synced[opt.step_count] = [p.detach().clone() for p in params]
         out.append(dict(synced=synced, final=[p.detach().clone() for p in params],
+                        momenta=[opt.state[p]["exp_avg"].clone() for p in params],
                         stats=opt.comm_stats.state_dict(), step_count=opt.step_count))
     return out
 
@@ -164,7 +170,9 @@ def local_worker(rank, world, configs):
 CASES = [dict(H=3, steps=8), dict(H=1, steps=3), dict(H=3, steps=7, vote="avg"), dict(H=2, steps=5, ef=False),
          dict(H=3, steps=6, alpha=0.5, comm="allgather"), dict(H=4, steps=8, bucket_cap_mb=0.01),
          dict(H=3, steps=9, W=2),  # rounds end at steps 1, 2, 5, 8; step 9 is an unfinished round
-         dict(H=3, steps=9, tau=0.5), dict(H=4, steps=8, tau=0.8, ef=False, vote="avg")]
+         dict(H=3, steps=9, tau=0.5), dict(H=4, steps=8, tau=0.8, ef=False, vote="avg"),
+         dict(H=3, steps=8, reset=True), dict(H=1, steps=3, reset=True, vote="avg"),
+         dict(H=3, steps=9, W=2, reset=True, bucket_cap_mb=0.01)]
 
 
 @pytest.mark.parametrize("world", [3, 4, 5])
@@ -172,12 +180,17 @@ def test_equals_the_literal_reference_after_every_sync(world):
     """N = 3, 4, 5 (odd and even: ties give 0), H = 1 and H > 1, MaVo and Avg, with and without
     error feedback, abstentions (a parameter with no gradient on odd ranks, one with none anywhere),
     several buckets, a warm-up of rounds of one step (``sync_warmup``), abstentions where a worker
-    moved less than tau·S (``abstain_below``): the anchor after every sync equals the reference bitwise on every rank, and
-    each rank's local parameters after an unfinished round equal that worker's reference."""
+    moved less than tau·S (``abstain_below``), every rank's momentum reset at each sync (``reset_momentum``):
+    the anchor after every sync equals the reference bitwise on every rank, and each rank's local
+    parameters after an unfinished round equal that worker's reference."""
     results = spawn(local_worker, world, CASES)
     for c, cfg in enumerate(CASES):
         anchors, xs = reference(world, cfg["steps"], cfg["H"], cfg.get("vote", "mavo"), cfg.get("ef", True),
-                                cfg.get("alpha", 1.0), warmup=cfg.get("W", 0), tau=cfg.get("tau", 0.0))
+                                cfg.get("alpha", 1.0), warmup=cfg.get("W", 0), tau=cfg.get("tau", 0.0),
+                                reset=cfg.get("reset", False))
+        if cfg.get("reset"):  # (the reset changes the trajectory: the comparison can tell them apart)
+            kept_anchors, _ = reference(world, cfg["steps"], cfg["H"], cfg.get("vote", "mavo"), warmup=cfg.get("W", 0))
+            assert any(not torch.equal(a, b) for t in anchors for a, b in zip(anchors[t], kept_anchors[t])), cfg
         assert sorted(anchors) == sorted(results[0][c]["synced"]), cfg
         for rank, res in enumerate(results):
             r = res[c]
@@ -190,22 +203,58 @@ def test_equals_the_literal_reference_after_every_sync(world):
 
 
 STREAMING = [dict(H=3, steps=11, streaming=True), dict(H=1, steps=4, streaming=True),
-             dict(H=2, steps=8, streaming=True, ef=False, bucket_cap_mb=0.01), dict(H=3, steps=10, streaming=True, W=3)]
+             dict(H=2, steps=8, streaming=True, ef=False, bucket_cap_mb=0.01), dict(H=3, steps=10, streaming=True, W=3),
+             dict(H=3, steps=11, streaming=True, reset=True), dict(H=2, steps=7, streaming=True, W=2, reset=True)]
 
 
 @pytest.mark.parametrize("world", [3, 4])
 def test_streaming_equals_its_literal_reference(world):
     """streaming=True: round r's exchange runs during round r + 1 and its vote replaces each rank's own
     progress of round r at the end of round r + 1; anchors after every round's end and the local
-    parameters at the end equal the reference bitwise on every rank."""
+    parameters at the end equal the reference bitwise on every rank; likewise with every rank's
+    momentum reset at each round's end (``reset_momentum``)."""
     results = spawn(local_worker, world, STREAMING)
     for c, cfg in enumerate(STREAMING):
-        anchors, xs = reference_streaming(world, cfg["steps"], cfg["H"], ef=cfg.get("ef", True), warmup=cfg.get("W", 0))
+        anchors, xs = reference_streaming(world, cfg["steps"], cfg["H"], ef=cfg.get("ef", True), warmup=cfg.get("W", 0),
+                                          reset=cfg.get("reset", False))
         for rank, res in enumerate(results):
             r = res[c]
             for t, want in anchors.items():
                 assert all(torch.equal(a, b) for a, b in zip(r["synced"][t], want)), (cfg, rank, t)
             assert all(torch.equal(a, b) for a, b in zip(r["final"], xs[rank])), (cfg, rank)
+
+
+def momenta_worker(rank, world, reset):
+    """Each rank's momenta after every step of H = 3 with gradients on every step."""
+    params = [p.requires_grad_() for p in init_params(rank)]
+    opt = dlion.LocalDistributedLion(params, lr=LR, betas=BETAS, weight_decay=WD, sync_every=3, reset_momentum=reset)
+    seen = []
+    for t in range(7):
+        grads = grads_for(rank, t, True)
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        seen.append(([opt.state[p]["exp_avg"].clone() for p in params], grads))
+    return seen
+
+
+@pytest.mark.parametrize("reset", [True, False])
+def test_reset_momentum_zeroes_every_ranks_momentum_at_each_sync_only(reset):
+    """reset_momentum=True: after the syncs (steps 3 and 6) every rank's momentum is exactly 0, and one
+    step later it is (1 − β2)·g, as Lion's rule gives from 0; between syncs it is kept. Without it the
+    momentum after a sync is β2·m + (1 − β2)·g as on every step."""
+    results = spawn(momenta_worker, 3, reset)
+    for seen in results:
+        for t, (ms, grads) in enumerate(seen):
+            prev = seen[t - 1][0] if t else [torch.zeros_like(m) for m in ms]
+            for m, g, p in zip(ms, grads, prev):
+                if reset and (t + 1) % 3 == 0:
+                    assert torch.equal(m, torch.zeros_like(m)), t
+                else:
+                    want = BETAS[1] * p + (1 - BETAS[1]) * g
+                    assert torch.equal(m, want), t
+                    assert m.abs().sum() > 0
+        assert reset or any(m.abs().sum() > 0 for m in seen[2][0])
 
 
 def random_ties_worker(rank, world):
@@ -303,7 +352,7 @@ def test_abstentions_go_in_base_3_from_the_first_sync():
 
 
 # -- checkpoints ------------------------------------------------------------------------------
-def ckpt_worker(rank, world, path, phase, stop, total, streaming=False):
+def ckpt_worker(rank, world, path, phase, stop, total, streaming=False, reset=False):
     from dlion import checkpoint
     params = [p.requires_grad_() for p in init_params(rank)]
     model = torch.nn.Module()
@@ -311,7 +360,7 @@ def ckpt_worker(rank, world, path, phase, stop, total, streaming=False):
         model.register_parameter(f"p{j}", torch.nn.Parameter(p.detach().clone()))
     params = list(model.parameters())
     opt = dlion.LocalDistributedLion(model.named_parameters(), lr=LR, betas=BETAS, weight_decay=WD, sync_every=3,
-                                     comm="1bit", streaming=streaming)
+                                     comm="1bit", streaming=streaming, reset_momentum=reset)
     start = 0
     if phase == "resume":
         info = checkpoint.load(path, model, opt)
@@ -340,6 +389,19 @@ def test_checkpoint_mid_round_resumes_bitwise_and_at_another_world_size(tmp_path
     assert all(torch.equal(x, y) for x, y in zip(other[0][0], other[1][0]))
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_reset_momentum_checkpoint_mid_round_resumes_bitwise(tmp_path, streaming):
+    """reset_momentum=True saved mid-round (streaming: with a round in flight) resumes bitwise: the
+    momenta of the round so far travel in the state as they are."""
+    path = str(tmp_path / "ckpt.pt")
+    full = spawn(ckpt_worker, 3, path, "save", 7, 13, streaming, True)
+    resumed = spawn(ckpt_worker, 3, path, "resume", 7, 13, streaming, True)
+    plain = spawn(ckpt_worker, 3, str(tmp_path / "other.pt"), "save", 7, 13, streaming, False)
+    for (a, n), (b, m), (c, _) in zip(full, resumed, plain):
+        assert n == m == 13 and all(torch.equal(x, y) for x, y in zip(a, b))
+        assert any(not torch.equal(x, y) for x, y in zip(a, c))  # (the reset took effect)
+
+
 def test_streaming_checkpoint_with_a_round_in_flight_resumes_bitwise(tmp_path):
     path = str(tmp_path / "ckpt.pt")
     full = spawn(ckpt_worker, 3, path, "save", 7, 13, True)  # a round in flight, one step into the next
@@ -355,6 +417,7 @@ def test_streaming_checkpoint_with_a_round_in_flight_resumes_bitwise(tmp_path):
     (dict(sync_warmup=-1), "sync_warmup"), (dict(sync_warmup=2.0), "sync_warmup"),
     (dict(abstain_below=-0.1), "abstain_below"), (dict(abstain_below=True), "abstain_below"),
     (dict(abstain_below=0.5, aggregate="quantized"), "abstain_below"),
+    (dict(reset_momentum=1), "reset_momentum"), (dict(reset_momentum=None), "reset_momentum"),
 ])
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -388,6 +451,8 @@ def failing_worker(rank, world, kind):
                 opt.param_groups[0]["lr"] = 2 * LR
             elif kind == "abstain_below":  # (the same rounds, another contribution rule on one rank)
                 opt.abstain_below = 0.5
+            elif kind == "reset_momentum":  # (the anchor would stay identical; the training would not)
+                opt.reset_momentum = True
             elif kind == "sync_every":  # rank 1's round ends after step 2, the others' after step 3
                 opt.sync_every = 2
             else:
@@ -404,6 +469,7 @@ def failing_worker(rank, world, kind):
     ("lr", ("ValueError",), "disagree"),
     ("abstain_below", ("ValueError",), "disagree on .*abstain_below"),
     ("sync_every", ("ValueError",), "disagree on .*sync_every"),
+    ("reset_momentum", ("ValueError",), "disagree on .*reset_momentum"),
     ("raise", ("FloatingPointError",), "inf/NaN"),
 ])
 def test_a_bad_round_on_one_rank_raises_on_every_rank_at_the_sync_and_applies_nothing(kind, error, message):

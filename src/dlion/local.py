@@ -6,7 +6,8 @@ their progress over the round, through the same algorithm objects, buckets and
 failure flags as every-step :class:`dlion.DistributedLion`. Per round, on rank i
 (A: the anchor, the parameters agreed at the last sync, identical on every rank)::
 
-    x_i ← H Lion steps from A (lr η_t, weight decay λ, momentum m_i kept across rounds)
+    x_i ← H Lion steps from A (lr η_t, weight decay λ, momentum m_i kept across rounds,
+                               or reset to 0 at each round's start: reset_momentum=True)
     S   = Σ η_t over the round's steps                      # identical on every rank
     e_i ← e_i + (A − x_i)                                   # error feedback (e_i = 0 at first)
     s_i = sign(e_i)·[|e_i| ≥ τ·S]                           # 1 bit per coordinate on the wire (τ = 0)
@@ -98,6 +99,13 @@ class LocalDistributedLion(DistributedLion):
         outer_scale: α, the outer step is α·S·Δ with S the round's summed lr.
         error_feedback: carry what the sign dropped into the next round (module docstring).
         streaming: exchange each round's vote behind the next round and apply it one round later.
+        reset_momentum: every rank's Lion momentum back to 0 at the end of every round, once the
+            round's agreed step is applied (``streaming=True``: once the round in flight is applied,
+            as this round's exchange leaves), so that each round's local steps start from zero
+            momentum. No bits. Each rank's momentum otherwise carries the direction it took in one
+            round into the next, where the ranks then disagree more (docs/results.md, "The first syncs,
+            traced"). The rounds of ``sync_warmup`` reset too: those steps are sign descent on the
+            gradient. On one rank (no rounds: plain Lion) nothing is reset.
         abstain_below: τ ≥ 0; a rank abstains where |e + A − x| < τ·S (module docstring). 0: never.
         vote, ties, process_group, comm, aggregate, quant_norm, quant_bits, bucket_cap_mb, seed,
         check_every, nonfinite, momentum_dtype, fused: as :class:`dlion.DistributedLion`;
@@ -131,6 +139,7 @@ class LocalDistributedLion(DistributedLion):
         outer_scale: float = 1.0,
         error_feedback: bool = True,
         streaming: bool = False,
+        reset_momentum: bool = False,
         abstain_below: float = 0.0,
         **options,
     ):
@@ -150,6 +159,8 @@ class LocalDistributedLion(DistributedLion):
             raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
         if not isinstance(streaming, bool):
             raise ValueError(f"streaming must be True or False, got {streaming!r}")
+        if not isinstance(reset_momentum, bool):
+            raise ValueError(f"reset_momentum must be True or False, got {reset_momentum!r}")
         if (not isinstance(abstain_below, (int, float)) or isinstance(abstain_below, bool)
                 or not 0.0 <= float(abstain_below) < float("inf")):
             raise ValueError(f"abstain_below must be a number >= 0, got {abstain_below!r}")
@@ -158,6 +169,7 @@ class LocalDistributedLion(DistributedLion):
                              f"aggregate={options['aggregate']!r}")
         self.sync_every, self.outer_scale, self.error_feedback = sync_every, float(outer_scale), error_feedback
         self.sync_warmup, self.abstain_below = sync_warmup, float(abstain_below)
+        self.reset_momentum = reset_momentum
         self.streaming = streaming  # (read by DistributedLion.__init__: the exchange gets a thread and a group)
         super().__init__(params, lr, betas, weight_decay, **options)
         #: per parameter group: S, the lr summed over the round's steps so far
@@ -186,7 +198,8 @@ class LocalDistributedLion(DistributedLion):
     def _options(self) -> dict:
         return {**super()._options(), "sync_every": self.sync_every, "sync_warmup": self.sync_warmup,
                 "outer_scale": self.outer_scale, "abstain_below": self.abstain_below,
-                "error_feedback": self.error_feedback, "streaming": self.streaming}
+                "error_feedback": self.error_feedback, "streaming": self.streaming,
+                "reset_momentum": self.reset_momentum}
 
     def _accepts_kind(self, kind: str) -> bool:
         return kind == "local" or (kind == "flat" and self.world_size == 1)  # (one rank saves no round state)
@@ -229,15 +242,16 @@ class LocalDistributedLion(DistributedLion):
             return WireState(up="ternary", down="ternary")
         return super()._new_wire(algorithm)
 
-    _digested = "lr, betas, weight_decay, maximize, sync_every, sync_warmup or abstain_below"
+    _digested = "lr, betas, weight_decay, maximize, sync_every, sync_warmup, abstain_below or reset_momentum"
 
     def _digest(self, group: dict) -> int:
         """The outer step α·S, β, weight decay and the round's options must agree on every rank (e.g. one
-        rank's lr schedule ahead, or ``sync_every`` changed on one rank: its rounds end elsewhere)."""
+        rank's lr schedule ahead, or ``sync_every`` changed on one rank: its rounds end elsewhere;
+        ``reset_momentum`` changed on one rank: the anchor would stay identical, its training would not)."""
         b1, b2 = group["betas"]
-        raw = struct.pack("<ddddd?qqd", self._outer_lr(group), float(b1), float(b2), float(group["weight_decay"]),
+        raw = struct.pack("<ddddd?qqd?", self._outer_lr(group), float(b1), float(b2), float(group["weight_decay"]),
                           float(group["lr"]), bool(group["maximize"]), int(self.sync_every), int(self.sync_warmup),
-                          float(self.abstain_below))
+                          float(self.abstain_below), bool(self.reset_momentum))
         return zlib.crc32(raw) & 0x7FFFFFFF
 
     def _input_error(self, k: int) -> Optional[Exception]:
@@ -371,6 +385,12 @@ class LocalDistributedLion(DistributedLion):
         if self.check_every and self._rounds_done() % self.check_every == 0:
             self.check_replicas()
 
+    def _zero_momenta(self) -> None:
+        """``reset_momentum``: the next round's local steps start from zero momentum."""
+        if self.reset_momentum:
+            for s in self._slots:
+                s.buffers.momentum.zero_()
+
     def _reset_round(self) -> None:
         """The next round starts: no lr summed, nothing touched, no error recorded."""
         self._round_lr = [0.0] * len(self.param_groups)
@@ -412,6 +432,7 @@ class LocalDistributedLion(DistributedLion):
             self._exchange(self.step_count)
         finally:
             self._reset_round()
+        self._zero_momenta()  # (not where the exchange raised: nothing of the round was applied)
         if self.skipped_steps != skipped:
             # (only a non-finite residual gets here): every rank restarts the round from the anchor
             for k, b in enumerate(self.buckets):
@@ -423,6 +444,7 @@ class LocalDistributedLion(DistributedLion):
         exchanged during this round), and this round's exchange starts on the exchange thread."""
         self._measure_progress([s.round_start for s in self._slots])
         self.flush()
+        self._zero_momenta()
         for k, b in enumerate(self.buckets):  # the next round starts here
             torch._foreach_copy_(b.views(self._slots[k].round_start), [p.detach() for p in b.params])
         self._flight_lr = list(self._round_lr)

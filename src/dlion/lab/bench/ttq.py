@@ -494,6 +494,7 @@ def main(argv: list[str]) -> int:
            "warmup_frac": args.warmup_frac, "methods": methods, "timeout": args.timeout, "synthetic": False,
            "sequential": True, "warmup": 0, "per_node": args.per_node, "sync_every": args.sync_every,
            "sync_warmup": args.sync_warmup, "abstain_below": args.abstain_below, "outer_scale": args.outer_scale,
+           "reset_momentum": args.reset_momentum,
            "outer_lr": args.outer_lr,
            "nodes": args.workers // args.per_node if args.per_node else 0}
     if args.curves and args.extend:

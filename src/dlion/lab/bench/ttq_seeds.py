@@ -9,7 +9,8 @@ the seeds that reached L, and per rate which method was first in each seed.
 Runs may also differ in ``--lr`` and ``--warmup-frac`` (each method at the settings tuned for
 it): a seed can then come in several files, and every (method, lr) is a row of its own, e.g.
 ``d-mavo-1bit-ov-rt@lr=0.0004`` (``…@lr=0.0001,warmup=0.1`` where the warm-ups differ); the local
-vote trained with ``--abstain-below`` τ is a row of its own (``…|abstain_below=0.5``). A
+vote trained with ``--abstain-below`` τ is a row of its own (``…|abstain_below=0.5``), and so is
+it with ``--reset-momentum`` (``…|reset_momentum``). A
 (method, settings) given twice for one seed is refused.
 
 Output in ``--out``: ``ttq_seeds.json``, ``ttq_seeds.txt`` and ``ttq_seeds.png`` (per link
@@ -74,6 +75,8 @@ def summarize(docs: list[dict]) -> dict:
                 key += f",warmup={_setting(d, 'warmup_frac'):g}"
             if m.startswith("d-local") and d["config"].get("abstain_below", 0.0):  # another rule: a row of its own
                 key += f"|abstain_below={d['config']['abstain_below']:g}"
+            if m.startswith("d-local") and d["config"].get("reset_momentum"):
+                key += "|reset_momentum"
             if i in rows_of.setdefault(key, {}):
                 raise ValueError(f"seed {seeds[i]} has {key} in two files (seeds repeat)")
             rows_of[key][i] = row
@@ -110,11 +113,12 @@ def label(key: str) -> str:
     """A row's label: the method's, with its lr (and warm-up) where the runs differ in them."""
     from .e2e.methods import label as method_label
 
+    key, reset, _ = key.partition("|reset_momentum")
     key, _, tau = key.partition("|abstain_below=")
     m, _, lr = key.partition("@lr=")
     lr, _, warmup = lr.partition(",warmup=")
     settings = ([f"lr {lr}"] if lr else []) + ([f"warm-up {warmup}"] if warmup else []) + (
-        [f"abstain_below {tau}"] if tau else [])
+        [f"abstain_below {tau}"] if tau else []) + (["momenta reset at each sync"] if reset else [])
     return method_label(m) + (f" ({', '.join(settings)})" if settings else "")
 
 

@@ -209,7 +209,8 @@ def main(argv: list[str]) -> int:
            "ties": args.ties, "timeout": args.timeout, "sequential": args.sequential, "methods": methods,
            "nodes": args.nodes, "per_node": args.per_node, "fused": args.fused, "compute_nice": args.compute_nice,
            "queue": args.queue, "sync_every": args.sync_every, "outer_lr": args.outer_lr,
-           "abstain_below": args.abstain_below, "outer_scale": args.outer_scale}
+           "abstain_below": args.abstain_below, "outer_scale": args.outer_scale,
+           "reset_momentum": args.reset_momentum}
     if args.loopback:
         links = [("loopback", None)]
     else:

@@ -90,18 +90,22 @@ PROFILE_RANGES = ("dlion.contribute", "dlion.exchange", "dlion.apply")
 
 
 def add_local_vote_args(ap) -> None:
-    """``--abstain-below TAU`` and ``--outer-scale A`` for e2e and ttq alike (checked by :func:`methods_from_args`)."""
+    """``--abstain-below TAU``, ``--outer-scale A`` and ``--reset-momentum`` for e2e and ttq alike (checked by
+    :func:`methods_from_args`)."""
     ap.add_argument("--abstain-below", type=float, default=0.0, metavar="TAU",
                     help="d-local-*: a rank abstains where its round's progress is below TAU times the round's summed "
                          "lr (LocalDistributedLion(abstain_below=TAU)); default 0")
     ap.add_argument("--outer-scale", type=float, default=1.0, metavar="A",
                     help="d-local-*: the agreed step is A times the round's summed lr "
                          "(LocalDistributedLion(outer_scale=A)); default 1")
+    ap.add_argument("--reset-momentum", action="store_true",
+                    help="d-local-*: every rank's Lion momentum back to 0 at each sync "
+                         "(LocalDistributedLion(reset_momentum=True))")
 
 
 def methods_from_args(ap, args) -> list[str]:
-    """``--methods`` parsed, ``--sync-every``, ``--abstain-below`` and ``--outer-scale`` checked, or the parser's error (for e2e
-    and ttq)."""
+    """``--methods`` parsed, ``--sync-every``, ``--abstain-below``, ``--outer-scale`` and ``--reset-momentum``
+    checked, or the parser's error (for e2e and ttq)."""
     try:
         methods = parse_methods(args.methods)
     except ValueError as e:
@@ -114,6 +118,8 @@ def methods_from_args(ap, args) -> list[str]:
         ap.error(f"--outer-scale must be > 0, got {args.outer_scale}")
     if args.outer_scale != 1.0 and not set(methods) & set(LOCAL):
         ap.error("--outer-scale applies to the local vote only: add a d-local-* method to --methods")
+    if getattr(args, "reset_momentum", False) and not set(methods) & set(LOCAL):
+        ap.error("--reset-momentum applies to the local vote only: add a d-local-* method to --methods")
     if args.abstain_below and not set(methods) & set(LOCAL):
         ap.error("--abstain-below applies to the local vote only: add d-local-mavo, d-local-mavo-st, d-local-avg or d-local-avg-st "
                  "to --methods")
@@ -377,6 +383,7 @@ class MethodRun:
                                       ties=cfg["ties"], comm="1bit", sync_every=cfg.get("sync_every", 10),
                                       sync_warmup=cfg.get("sync_warmup", 0), abstain_below=cfg.get("abstain_below", 0.0),
                                       outer_scale=cfg.get("outer_scale", 1.0),
+                                      reset_momentum=cfg.get("reset_momentum", False),
                                       streaming=method.endswith("-st"),
                                       bucket_cap_mb=cfg["bucket_mb"], fused=fused)
             self.opt.check_replicas()
