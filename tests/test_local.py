@@ -515,3 +515,46 @@ def test_gradscaler_skips_one_ranks_overflowing_local_step_only():
     (p0, skipped0, scale0, n0), (p1, skipped1, scale1, n1) = res
     assert (skipped0, skipped1) == (0, 1) and scale1 == scale0 / 2 and n0 == n1 == 4
     assert all(torch.equal(a, b) for a, b in zip(p0, p1))  # step 4 ends a round: the ranks agree
+
+
+# -- the lab's simulation is the library's algorithm ----------------------------------------------
+def lab_twin_worker(rank, world, cfgs):
+    out = []
+    for cfg in cfgs:
+        params = [p.float().requires_grad_() for p in init_params(rank)]
+        opt = dlion.LocalDistributedLion(params, lr=LR, betas=BETAS, weight_decay=WD, sync_every=3, vote=cfg["vote"],
+                                         outer_scale=cfg["alpha"], reset_momentum=cfg["reset"], ties="zero")
+        synced = {}
+        for t in range(9):
+            for p, g in zip(params, grads_for(rank, t, True)):
+                p.grad = g.float()
+            opt.step()
+            if (t + 1) % 3 == 0:
+                synced[t + 1] = [p.detach().clone() for p in params]
+        out.append(synced)
+    return out
+
+
+LAB_TWINS = [dict(vote="avg", alpha=0.83, reset=True), dict(vote="avg", alpha=0.67, reset=False),
+             dict(vote="mavo", alpha=1.0, reset=False), dict(vote="mavo", alpha=1.0, reset=True)]
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_the_lab_simulation_behind_the_charlm_runs_equals_the_library_bitwise(world):
+    """The charlm figures of the local vote (docs/results.md) come from the lab's single-process
+    simulation (``dlocal_mavo:H:vote=…:alpha=…:mr=…``), not from this optimizer: on the same gradients
+    (N = 3, 4; fp32; H = 3) its anchor after every sync equals the library's bitwise, for the Avg
+    vote with the momenta reset at outer scale 0.83 and without at 0.67, and for the majority vote
+    (zero ties), so those figures are the library's."""
+    from dlion.lab.experiments.local_steps import LocalVote
+
+    results = spawn(lab_twin_worker, world, LAB_TWINS)
+    for c, cfg in enumerate(LAB_TWINS):
+        params = [p.float() for p in init_params(0)]
+        lab = LocalVote(params, world, 3, {"lr": LR, "weight_decay": WD}, {"lion": BETAS}, 0, 9, alpha=cfg["alpha"],
+                        vote=cfg["vote"], momentum_reset=cfg["reset"])
+        for t in range(9):
+            lab.step([torch.stack([grads_for(i, t, True)[j].float() for i in range(world)]) for j in range(len(params))])
+            if (t + 1) % 3 == 0:
+                for rank, res in enumerate(results):
+                    assert all(torch.equal(a, b) for a, b in zip(res[c][t + 1], lab.params)), (cfg, rank, t)
