@@ -1,0 +1,64 @@
+"""Times to the target of a local-vote run composed with one e2e run's step times, moved onto
+another e2e run's compute-only step, and compared per seed with methods composed with that run.
+
+    python scripts/ttq_rebase_compute.py --steps-json ACROSS.json --method KEY --own E_OWN --ref E_REF \
+        --others A.json [B.json …] --out OUT.json
+
+A step time of the method is (its mean ms in E_OWN) − (compute only in E_OWN) + (compute only in
+E_REF), per link, each ÷ the emulated speed-up of the compositions: what its wire and exchange cost
+on top of compute, on the other run's compute. Used for runs of another H, which one e2e run cannot
+hold beside the others (``--sync-every`` is one value per run). Prints and writes per seed and link
+the rebased time, the soonest other method and whether this one is first.
+"""
+
+import argparse
+import json
+
+LINKS = {"50mbit": "3125kbit", "100mbit": "6250kbit", "1gbit": "62500kbit"}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps-json", required=True, help="ttq_seeds.json of the method (--across output)")
+    ap.add_argument("--method", required=True, help="its key in that file")
+    ap.add_argument("--e2e-method", default="d-local-avg")
+    ap.add_argument("--own", required=True, help="e2e_results.json the method was composed with")
+    ap.add_argument("--ref", required=True, help="e2e_results.json the others were composed with")
+    ap.add_argument("--others", nargs="+", required=True, help="ttq_seeds.json files of the other methods")
+    ap.add_argument("--speedup", type=float, default=16.0)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    ms = lambda path: {(r["method"], r["link"]): r["ms_mean"] / a.speedup for r in json.load(open(path))["results"]}
+    own, ref = ms(a.own), ms(a.ref)
+    steps = json.load(open(a.steps_json))["methods"][a.method]["steps_to_target"]
+    others = {}
+    for path in a.others:
+        for m, r in json.load(open(path))["methods"].items():
+            others[f"{path}:{m}"] = r["time_to_target_s"]
+    out = {"command_inputs": vars(a), "steps_to_target": steps, "links": {}}
+    for link, raw in LINKS.items():
+        step_ms = own[(a.e2e_method, raw)] - own[("compute", raw)] + ref[("compute", raw)]
+        rows = []
+        for i, n in enumerate(steps):
+            mine = None if n is None else n * step_ms / 1000
+            t = [(v[link][i], k) for k, v in others.items() if i < len(v[link]) and v[link][i] is not None]
+            best = min(t) if t else None
+            first = mine is not None and (best is None or mine < best[0])
+            rows.append({"seed_index": i, "time_s": mine, "soonest_other_s": best and best[0],
+                         "soonest_other": best and best[1], "first": first})
+            print(f"{link} seed {i}: {mine if mine is None else round(mine, 2)} s; soonest other "
+                  f"{best and round(best[0], 2)} ({best and best[1]}){'  FIRST' if first else ''}")
+        done = [r["time_s"] for r in rows if r["time_s"] is not None]
+        out["links"][link] = {"step_ms": step_ms, "own_compute_ms": own[("compute", raw)],
+                              "ref_compute_ms": ref[("compute", raw)], "seeds": rows,
+                              "mean_time_s": sum(done) / len(done) if done else None,
+                              "first_on": sum(r["first"] for r in rows)}
+        print(f"{link}: step {step_ms:.2f} ms, mean {out['links'][link]['mean_time_s']:.1f} s, first on "
+              f"{out['links'][link]['first_on']} of {len(rows)}")
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
