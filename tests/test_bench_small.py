@@ -143,3 +143,36 @@ def test_gpu_check_script_runs_every_measurement_on_the_cpu(tmp_path):
     exchange = rows["its exchange (all 4 workers, host-timed)"]
     assert exchange["ms"] > 0 and len(exchange["exchange_runs_ms"]) >= 2
     assert rows["ttq workload step (CharGPT 6x256, batch 4x64)"]["ms"] > 0
+
+
+def test_ttq_rebase_compute_script_moves_a_method_onto_another_runs_compute_step(tmp_path):
+    """scripts/ttq_rebase_compute.py: step = own mean − own compute + the other run's compute (each ÷ 16),
+    times = steps × step, compared per seed with the other methods' times (literal figures)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    def e2e(rows):
+        return {"results": [{"method": m, "link": link, "ms_mean": ms} for (m, link), ms in rows.items()]}
+
+    links = ("3125kbit", "6250kbit", "62500kbit")
+    own = e2e({**{("compute", k): 320.0 for k in links}, **{("d-local-avg", k): 400.0 for k in links}})
+    ref = e2e({("compute", k): 160.0 for k in links})
+    mine = {"methods": {"m|reset_momentum": {"steps_to_target": [100, None]}}}
+    other = {"methods": {"x": {"time_to_target_s": {k: [1.0, 2.0] for k in ("50mbit", "100mbit", "1gbit")}}}}
+    paths = {}
+    for name, doc in (("own", own), ("ref", ref), ("mine", mine), ("other", other)):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(doc))
+    out = tmp_path / "out.json"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "ttq_rebase_compute.py"
+    subprocess.run([sys.executable, str(script), "--steps-json", str(paths["mine"]), "--method", "m|reset_momentum",
+                    "--own", str(paths["own"]), "--ref", str(paths["ref"]), "--others", str(paths["other"]),
+                    "--out", str(out)], check=True, capture_output=True, timeout=60)
+    doc = json.loads(out.read_text())
+    link = doc["links"]["50mbit"]
+    assert link["step_ms"] == (400.0 - 320.0 + 160.0) / 16 == 15.0  # 100 steps → 1.5 s
+    assert [r["time_s"] for r in link["seeds"]] == [1.5, None]
+    assert [r["first"] for r in link["seeds"]] == [False, False] and link["seeds"][0]["soonest_other_s"] == 1.0
+    assert link["mean_time_s"] == 1.5 and link["first_on"] == 0
