@@ -28,7 +28,9 @@ def main(argv=None) -> int:
     ap.add_argument("--speedup", type=float, default=16.0)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    ms = lambda path: {(r["method"], r["link"]): r["ms_mean"] / a.speedup for r in json.load(open(path))["results"]}
+    def ms(path):
+        return {(r["method"], r["link"]): r["ms_mean"] / a.speedup for r in json.load(open(path))["results"]}
+
     own, ref = ms(a.own), ms(a.ref)
     steps = json.load(open(a.steps_json))["methods"][a.method]["steps_to_target"]
     others = {}

@@ -554,7 +554,8 @@ def test_the_lab_simulation_behind_the_charlm_runs_equals_the_library_bitwise(wo
         lab = LocalVote(params, world, 3, {"lr": LR, "weight_decay": WD}, {"lion": BETAS}, 0, 9, alpha=cfg["alpha"],
                         vote=cfg["vote"], momentum_reset=cfg["reset"])
         for t in range(9):
-            lab.step([torch.stack([grads_for(i, t, True)[j].float() for i in range(world)]) for j in range(len(params))])
+            lab.step([torch.stack([grads_for(i, t, True)[j].float() for i in range(world)])
+                      for j in range(len(params))])
             if (t + 1) % 3 == 0:
                 for rank, res in enumerate(results):
                     assert all(torch.equal(a, b) for a, b in zip(res[c][t + 1], lab.params)), (cfg, rank, t)
