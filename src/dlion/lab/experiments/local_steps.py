@@ -251,7 +251,7 @@ class LocalVote(LocalMethod):
         vote_round(self.params, self.workers, self.errors, self.alpha * self.round_lr_sum, self.ties,
                    self.generator, outer, abstain_below=self.abstain_below * self.round_lr_sum,
                    error_scale=self.alpha if self.error_scale else None, soft_outer=self.soft_outer, vote=self.vote)
-        if self.momentum_reset:  # an experiment: every rank's Lion momentum back to 0 at every sync (no bits)
+        if self.momentum_reset:  # every rank's Lion momentum back to 0 at every sync (the library's reset_momentum=True)
             for state in self.inner.state.values():
                 state["exp_avg"].zero_()
         d, N = self.bits_counter.num_params, self.world_size

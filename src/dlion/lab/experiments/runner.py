@@ -41,7 +41,7 @@ base                    round (H local steps, then)                             
                         (``sw=K``, ``h0=H0``: rounds of H0 steps for the first K steps,    ``sw`` (0), ``h0`` (1)
                         then of H; ``h0=1`` is the library's ``sync_warmup=K``)
                         (``mr=1``: every rank's Lion momentum reset to 0 at each sync;     ``mr`` (0: off)
-                        an experiment)
+                        the library's ``reset_momentum=True``)
 ``diloco_adamw``        local AdamW; fp32 mean pseudo-gradient → outer Nesterov SGD        ``outer_lr`` (0.7),
                                                                                            ``outer_momentum`` (0.9)
 ``diloco_lion``         local Lion; the same outer step                                   as above

@@ -118,7 +118,7 @@ def methods_from_args(ap, args) -> list[str]:
         ap.error(f"--outer-scale must be > 0, got {args.outer_scale}")
     if args.outer_scale != 1.0 and not set(methods) & set(LOCAL):
         ap.error("--outer-scale applies to the local vote only: add a d-local-* method to --methods")
-    if getattr(args, "reset_momentum", False) and not set(methods) & set(LOCAL):
+    if args.reset_momentum and not set(methods) & set(LOCAL):
         ap.error("--reset-momentum applies to the local vote only: add a d-local-* method to --methods")
     if args.abstain_below and not set(methods) & set(LOCAL):
         ap.error("--abstain-below applies to the local vote only: add d-local-mavo, d-local-mavo-st, d-local-avg or d-local-avg-st "
