@@ -20,7 +20,7 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import DistributedType  # noqa: E402
 
 import dlion  # noqa: E402
-from dlion.integrations import TESTED_VERSIONS, CommMeter, unwrap_optimizer  # noqa: E402
+from dlion.integrations import CommMeter, unwrap_optimizer  # noqa: E402
 from dlion.integrations import accelerate as dlion_accelerate  # noqa: E402
 from integrations_support import (WORLD, PG_TIMEOUT_S, TokenData, Window, assert_bitwise_equal,  # noqa: E402
                                   assert_replicas_and_momenta, onebit_bytes_sent, snapshot, spawn, start_worker,

@@ -6,7 +6,6 @@ import inspect
 import os
 import warnings
 
-import pytest
 import torch
 from torch import nn
 

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import dlion

@@ -5,8 +5,6 @@ by line, with plain tensor operations (the Lion rule as its four lines); it shar
 the library.
 """
 
-import math
-import os
 
 import pytest
 import torch

@@ -136,7 +136,7 @@ def markdown_tables(rows: list[dict]) -> list[str]:
     by = {(r["method"], r["workers"]): r for r in rows}
     methods = _ordered({r["method"] for r in rows})
     name = rows[0]["metric"] + (" (%)" if pct else "")
-    lines = [f"| method | lr | wd | " + " | ".join(f"N={n} {name}" for n in ns) + " |",
+    lines = ["| method | lr | wd | " + " | ".join(f"N={n} {name}" for n in ns) + " |",
              "|---|---|---|" + "---|" * len(ns)]
     for m in methods:
         any_r = next(by[(m, n)] for n in ns if (m, n) in by)

@@ -40,7 +40,7 @@ def run_methods(rank: int, world: int, cfg: dict, train_ids, vocab_size: int,
     torch.set_num_threads(1)
     inst = Instrument()
     inst.install()
-    methods, rounds = cfg["methods"], cfg["warmup"] + cfg["steps"]
+    methods = cfg["methods"]
     uplinks = uplink_counter(cfg) if rank == 0 else None
     counting = cfg.get("nodes") and os.environ.get("DLION_CLUSTER_PREFIX") and \
         os.environ.get("DLION_CLUSTER_LINK") != "unlimited"
