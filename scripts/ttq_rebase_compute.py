@@ -2,13 +2,14 @@
 another e2e run's compute-only step, and compared per seed with methods composed with that run.
 
     python scripts/ttq_rebase_compute.py --steps-json ACROSS.json --method KEY --own E_OWN --ref E_REF \
-        --others A.json [B.json …] --out OUT.json
+        --others A.json [B.json …] [--rebased-others R.json …] --out OUT.json
 
 A step time of the method is (its mean ms in E_OWN) − (compute only in E_OWN) + (compute only in
 E_REF), per link, each ÷ the emulated speed-up of the compositions: what its wire and exchange cost
 on top of compute, on the other run's compute. Used for runs of another H, which one e2e run cannot
 hold beside the others (``--sync-every`` is one value per run). Prints and writes per seed and link
-the rebased time, the soonest other method and whether this one is first.
+the rebased time, the soonest other method and whether this one is first. ``--rebased-others`` adds
+competitors moved the same way (this script's own outputs, e.g. DiLoCo at H = 100 from its e2e run).
 """
 
 import argparse
@@ -25,6 +26,8 @@ def main(argv=None) -> int:
     ap.add_argument("--own", required=True, help="e2e_results.json the method was composed with")
     ap.add_argument("--ref", required=True, help="e2e_results.json the others were composed with")
     ap.add_argument("--others", nargs="+", required=True, help="ttq_seeds.json files of the other methods")
+    ap.add_argument("--rebased-others", nargs="+", default=[], metavar="R",
+                    help="outputs of this script (other methods already moved onto --ref's compute step)")
     ap.add_argument("--speedup", type=float, default=16.0)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
@@ -37,6 +40,12 @@ def main(argv=None) -> int:
     for path in a.others:
         for m, r in json.load(open(path))["methods"].items():
             others[f"{path}:{m}"] = r["time_to_target_s"]
+    for path in a.rebased_others:
+        doc = json.load(open(path))
+        if doc["links"]["50mbit"]["ref_compute_ms"] != ref[("compute", LINKS["50mbit"])]:
+            raise SystemExit(f"{path} was moved onto another compute step than --ref's")
+        others[f"{path}:{doc['command_inputs']['method']}"] = {
+            link: [r["time_s"] for r in v["seeds"]] for link, v in doc["links"].items()}
     out = {"command_inputs": vars(a), "steps_to_target": steps, "links": {}}
     for link, raw in LINKS.items():
         step_ms = own[(a.e2e_method, raw)] - own[("compute", raw)] + ref[("compute", raw)]
