@@ -179,16 +179,16 @@ def test_ttq_rebase_compute_script_moves_a_method_onto_another_runs_compute_step
     # a competitor moved by the script itself (1.4 s on seed 0 beats our 1.5 s); refused if moved onto another step
     rebased = tmp_path / "rebased.json"
     rebased.write_text(json.dumps({"command_inputs": {"method": "dil"}, "links": {
-        k: {"ref_compute_ms": 10.0, "seeds": [{"time_s": 1.4}, {"time_s": None}]} for k in ("50mbit", "100mbit", "1gbit")}}))
+        k: {"ref_compute_ms": 10.0, "seeds": [{"time_s": 1.4}, {"time_s": None}]}
+        for k in ("50mbit", "100mbit", "1gbit")}}))
     out2, nobody = tmp_path / "out2.json", tmp_path / "nobody.json"
     nobody.write_text(json.dumps({"methods": {}}))
-    subprocess.run([sys.executable, str(script), "--steps-json", str(paths["mine"]), "--method", "m|reset_momentum",
-                    "--own", str(paths["own"]), "--ref", str(paths["ref"]), "--others", str(nobody),
-                    "--rebased-others", str(rebased), "--out", str(out2)], check=True, capture_output=True, timeout=60)
+    args = [sys.executable, str(script), "--steps-json", str(paths["mine"]), "--method", "m|reset_momentum",
+            "--own", str(paths["own"]), "--ref", str(paths["ref"]), "--others", str(nobody),
+            "--rebased-others", str(rebased), "--out", str(out2)]
+    subprocess.run(args, check=True, capture_output=True, timeout=60)
     seeds = json.loads(out2.read_text())["links"]["50mbit"]["seeds"]
     assert seeds[0]["soonest_other_s"] == 1.4 and seeds[0]["soonest_other"].endswith(":dil") and not seeds[0]["first"]
     rebased.write_text(rebased.read_text().replace('"ref_compute_ms": 10.0', '"ref_compute_ms": 11.0'))
-    bad = subprocess.run([sys.executable, str(script), "--steps-json", str(paths["mine"]), "--method", "m|reset_momentum",
-                          "--own", str(paths["own"]), "--ref", str(paths["ref"]), "--others", str(nobody),
-                          "--rebased-others", str(rebased), "--out", str(out2)], capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(args, capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "another compute step" in bad.stderr
