@@ -32,7 +32,6 @@ def test_codec_bench_prints_every_stage_and_the_ratios(capsys, tmp_path, workers
     ns = r["ns_per_param"]
     assert r["exchange_over_lion"] == pytest.approx(ns["exchange"] / ns["lion step"])
     assert r["local_over_lion"] == pytest.approx((ns["contribute"] + ns["exchange"] + ns["apply"]) / ns["lion step"])
-    assert r["exchange_over_lion"] < 20, r
     assert f"= {r['exchange_over_lion']:.2f} × the local Lion step" in out
 
 

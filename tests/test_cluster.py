@@ -248,7 +248,7 @@ def test_teardown_after_sigint_to_cli_process():
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120
         while len(ranks_with(marker)) < 2:  # both ranks are running (the launcher's own command line
             #                                   also holds the marker: counting it raced the set-up)
             assert proc.poll() is None, proc.communicate()[0]
