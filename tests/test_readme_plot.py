@@ -25,7 +25,8 @@ def doc(tmp_path_factory):
 
 
 def test_time_to_target_matches_the_committed_seed_summaries(doc):
-    summaries = {"this-host": "ttq-heldout/seeds-w0.1/ttq_seeds.json", "x16": "ttq-heldout-x16/seeds-w0.1/ttq_seeds.json",
+    summaries = {"this-host": "ttq-heldout/seeds-w0.1/ttq_seeds.json",
+                 "x16": "ttq-heldout-x16/seeds-w0.1/ttq_seeds.json",
                  "d-local-mavo-ab0.5": "ttq-heldout-x16/seeds-ab0.5/ttq_seeds.json",  # (each its own e2e run)
                  "d-local-avg": "ttq-heldout-x16/seeds-avg-h50-reset/ttq_seeds.json",
                  "diloco-adamw-bf16": "ttq-heldout-x16/seeds-diloco-bf16-h100/ttq_seeds.json"}

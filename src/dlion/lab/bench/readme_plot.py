@@ -55,10 +55,12 @@ PANELS = (
          range(5), {"key": "d-local-mavo-ab0.5", "e2e": "e2e-local-x16-ab0.5/warmup13/e2e_results.json",
                     "color": "tab:olive"}),
         ("diloco-adamw", "DiLoCo AdamW, H = 10", "ttq-heldout-x16/diloco-seed{}/ttq_results.json", range(1)),
-        ("d-local-avg", "Local D-Lion Avg, H = 50, momenta reset", "ttq-heldout-x16/dlocal-avg-h50-reset-seed{}/ttq_results.json",
-         range(5), {"e2e": "e2e-local-x16-avg-h50/e2e_results.json", "color": "tab:brown"}),
-        ("diloco-adamw-bf16", "DiLoCo AdamW bf16, H = 100", "ttq-heldout-x16/diloco-bf16-h100-lr1e-4-seed{}/ttq_results.json",
-         range(5), {"e2e": "e2e-local-x16-h100/e2e_results.json", "color": "tab:pink"}),
+        ("d-local-avg", "Local D-Lion Avg, H = 50, momenta reset",
+         "ttq-heldout-x16/dlocal-avg-h50-reset-seed{}/ttq_results.json", range(5),
+         {"e2e": "e2e-local-x16-avg-h50/e2e_results.json", "color": "tab:brown"}),
+        ("diloco-adamw-bf16", "DiLoCo AdamW bf16, H = 100",
+         "ttq-heldout-x16/diloco-bf16-h100-lr1e-4-seed{}/ttq_results.json", range(5),
+         {"e2e": "e2e-local-x16-h100/e2e_results.json", "color": "tab:pink"}),
     ]),
 )
 #: the `--fused` e2e runs (6 MB buckets, every optimizer fused) since the packed vote that have both
