@@ -42,7 +42,7 @@ def main(argv=None) -> int:
             others[f"{path}:{m}"] = r["time_to_target_s"]
     for path in a.rebased_others:
         doc = json.load(open(path))
-        if doc["links"]["50mbit"]["ref_compute_ms"] != ref[("compute", LINKS["50mbit"])]:
+        if any(doc["links"][link]["ref_compute_ms"] != ref[("compute", raw)] for link, raw in LINKS.items()):
             raise SystemExit(f"{path} was moved onto another compute step than --ref's")
         others[f"{path}:{doc['command_inputs']['method']}"] = {
             link: [r["time_s"] for r in v["seeds"]] for link, v in doc["links"].items()}
@@ -64,7 +64,8 @@ def main(argv=None) -> int:
                               "ref_compute_ms": ref[("compute", raw)], "seeds": rows,
                               "mean_time_s": sum(done) / len(done) if done else None,
                               "first_on": sum(r["first"] for r in rows)}
-        print(f"{link}: step {step_ms:.2f} ms, mean {out['links'][link]['mean_time_s']:.1f} s, first on "
+        mean = out["links"][link]["mean_time_s"]
+        print(f"{link}: step {step_ms:.2f} ms, mean {'never' if mean is None else f'{mean:.1f} s'}, first on "
               f"{out['links'][link]['first_on']} of {len(rows)}")
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
