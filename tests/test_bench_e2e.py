@@ -429,10 +429,41 @@ def test_e2e_diloco_all_reduces_every_parameter_once_per_round(tmp_path):
         assert rows[m]["outer_lr"] == 0.5 and rows[m]["loss_last"] == rows[m]["loss_last"]  # (finite)
 
 
+def test_a_method_may_name_its_own_sync_interval():
+    assert e2e.parse_methods("d-local-avg-h25,diloco-adamw-bf16-h100,d-local-avg") == [
+        "d-local-avg-h25", "diloco-adamw-bf16-h100", "d-local-avg"]
+    assert e2e.label("d-local-avg-h25") == "Local D-Lion Avg 1bit, H = 25"
+    assert e2e.label("diloco-adamw-bf16-h100") == "DiLoCo AdamW bf16, H = 100"
+    for bad in ("d-mavo-1bit-h25", "g-lion-h4", "d-local-avg-h0", "d-local-avg-h"):  # (only those that talk every H)
+        with pytest.raises(ValueError):
+            e2e.parse_methods(bad)
+
+
+def test_e2e_times_several_sync_intervals_in_one_run(tmp_path):
+    """d-local-mavo at --sync-every 2 beside d-local-mavo-h4 and diloco-adamw-h4 on 2 ranks, random
+    ties: a 1-bit vote is 1 bit up and 1 back for half the coordinates, so 1 bit per parameter per
+    round (+ headers); DiLoCo a fp32 ring all-reduce, 2 (N-1)/N × 4 bytes per parameter per round;
+    each ÷ its own H per step, and each result records its H."""
+    steps = 8
+    assert e2e.main(_tiny(tmp_path, 2, ["compute", "d-local-mavo", "d-local-mavo-h4", "diloco-adamw-h4"],
+                          "--ties", "random", "--steps", str(steps), "--warmup", "2", "--sync-every", "2")) == 0
+    rows = {r["method"]: r for r in json.loads((tmp_path / "e2e_results.json").read_text())["results"]}
+    n = rows["compute"]["params"]
+    for m, h in (("d-local-mavo", 2), ("d-local-mavo-h4", 4)):
+        sent = rows[m]["bytes_sent_per_rank_per_step"]
+        assert n / 8 / h <= sent <= (1.05 * n / 8 + 2 * 64 * 2 * 8) / h, (m, sent)
+        assert rows[m]["sync_every"] == h and rows[m]["samples"] == 2 * steps
+    assert rows["diloco-adamw-h4"]["bytes_sent_per_rank_per_step"] == pytest.approx(2 * 0.5 * 4 * n / 4, rel=0.02)
+    assert rows["diloco-adamw-h4"]["sync_every"] == 4
+
+
 def test_e2e_refuses_steps_that_are_not_whole_rounds(capsys):
     with pytest.raises(SystemExit):
         e2e.main(["--loopback", "--methods", "compute,diloco-lion", "--steps", "5", "--sync-every", "2"])
-    assert "--steps 5 is not a multiple of --sync-every 2: diloco-lion" in capsys.readouterr().err
+    assert "--steps 5 is not a multiple of diloco-lion's H = 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # (a method's own H counts, not --sync-every's)
+        e2e.main(["--loopback", "--methods", "compute,d-local-avg-h4", "--steps", "6", "--sync-every", "2"])
+    assert "--steps 6 is not a multiple of d-local-avg-h4's H = 4" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         e2e.main(["--loopback", "--methods", "d-local-mavo", "--steps", "10", "--sync-every", "0"])
     assert "--sync-every must be >= 1" in capsys.readouterr().err

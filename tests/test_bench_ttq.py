@@ -423,7 +423,7 @@ def test_ttq_local_methods_evaluate_the_anchor(tmp_path):
     """H = 3, evaluations every 2 steps: before the first sync (step 2) the anchor is the initial
     model, whatever the ranks did locally; the streaming method's first round is applied one round
     late (still the initial model at step 4), and its last round by the flush after the last step."""
-    rc = ttq.main(["--workers", "2", "--methods", "d-local-mavo,d-local-mavo-st,diloco-adamw", "--sync-every", "3",
+    rc = ttq.main(["--workers", "2", "--methods", "d-local-mavo,d-local-mavo-st,diloco-adamw-h6", "--sync-every", "3",
                    "--steps", "6", "--eval-every", "2", "--eval-batches", "1", "--n-layer", "1", "--n-embd", "32",
                    "--n-head", "1", "--block-size", "16", "--target", "9.0", "--no-progress", "--out", str(tmp_path)])
     assert rc == 0
@@ -443,7 +443,7 @@ def test_ttq_local_methods_evaluate_the_anchor(tmp_path):
     for m in ("d-local-mavo", "d-local-mavo-st"):  # (headers: at most 2 blocks × 64 words × 2 ways per sync)
         assert 2 * 0.5 / 3 <= bits[m] <= 8 * (1.05 * n / 8 + 2 * 64 * 2 * 8) / n / 3, (m, bits[m])
     assert bits["d-local-mavo-st"] == bits["d-local-mavo"]
-    assert bits["diloco-adamw"] == pytest.approx(2 * 0.5 * 32 / 3)
+    assert bits["diloco-adamw-h6"] == pytest.approx(2 * 0.5 * 32 / 6)  # (its own H: one sync in 6 steps)
 
 
 def test_step_times_of_another_sync_every_are_refused_for_local_methods(tmp_path):
@@ -453,11 +453,38 @@ def test_step_times_of_another_sync_every_are_refused_for_local_methods(tmp_path
                        {"method": "d-local-mavo", "link": "50mbit", "ms_per_step": 20.0, "ms_mean": 20.0}]}
     path = tmp_path / "e2e_results.json"
     path.write_text(json.dumps(doc))
-    with pytest.raises(SystemExit, match="measured d-local-mavo with --sync-every 5, not 10"):
+    with pytest.raises(SystemExit, match=r"measured d-local-mavo \(H = 5\), not d-local-mavo at H = 10"):
         ttq._step_times(str(path), {**cfg, "methods": ["g-lion", "d-local-mavo"]}, 4)
     assert ttq._step_times(str(path), {**cfg, "methods": ["g-lion"]}, 4)[0]["g-lion"] == {"50mbit": 100.0}
     assert ttq._step_times(str(path), {**cfg, "sync_every": 5, "methods": ["d-local-mavo"]}, 4)[0][
         "d-local-mavo"] == {"50mbit": 20.0}
+
+
+def test_step_times_are_taken_from_the_result_timed_at_the_trained_h(tmp_path):
+    """An e2e run that timed d-local-avg at its --sync-every 10 and at 25 (d-local-avg-h25), and DiLoCo
+    at 100: curves trained at --sync-every 25 take the -h25 row, whether the method was trained under
+    its plain name or as d-local-avg-h25; an H that run did not time is refused."""
+    cfg = {k: 1 for k in ttq.MODEL_KEYS}
+    doc = {"config": {**cfg, "sync_every": 10}, "workers": 4,
+           "results": [{"method": "g-lion", "link": "50mbit", "ms_mean": 100.0, "ms_per_step": 99.0},
+                       {"method": "d-local-avg", "link": "50mbit", "ms_mean": 30.0, "ms_per_step": 29.0,
+                        "sync_every": 10},
+                       {"method": "d-local-avg-h25", "link": "50mbit", "ms_mean": 21.0, "ms_per_step": 20.0,
+                        "sync_every": 25},
+                       {"method": "diloco-adamw-bf16-h100", "link": "50mbit", "ms_mean": 40.0, "ms_per_step": 18.0,
+                        "sync_every": 100}]}
+    path = tmp_path / "e2e_results.json"
+    path.write_text(json.dumps(doc))
+    got, stat = ttq._step_times(str(path), {**cfg, "sync_every": 25, "methods": ["g-lion", "d-local-avg"]}, 4)
+    assert stat == "mean" and got["d-local-avg"] == {"50mbit": 21.0} and got["g-lion"] == {"50mbit": 100.0}
+    got = ttq._step_times(str(path), {**cfg, "sync_every": 10,
+                                      "methods": ["d-local-avg", "d-local-avg-h25", "diloco-adamw-bf16-h100"]}, 4)[0]
+    assert got["d-local-avg"] == {"50mbit": 30.0} and got["d-local-avg-h25"] == {"50mbit": 21.0}
+    assert got["diloco-adamw-bf16-h100"] == {"50mbit": 40.0}
+    with pytest.raises(SystemExit, match="not d-local-avg at H = 50"):
+        ttq._step_times(str(path), {**cfg, "sync_every": 50, "methods": ["d-local-avg"]}, 4)
+    with pytest.raises(SystemExit, match="not diloco-adamw-bf16 at H = 10"):
+        ttq._step_times(str(path), {**cfg, "sync_every": 10, "methods": ["diloco-adamw-bf16"]}, 4)
 
 
 def test_across_compares_ties_only_between_runs_whose_methods_take_them():

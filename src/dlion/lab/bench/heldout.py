@@ -38,6 +38,8 @@ SEED = 100
 
 def rows_of(root: str, target: float) -> list:
     """One row per (method, lr, warm-up) run of seed 100 found under ``root``."""
+    from .e2e.methods import split_sync_every
+
     rows = []
     for f in sorted(glob.glob(os.path.join(root, "*", "ttq_results.json"))):
         with open(f) as fh:
@@ -45,8 +47,9 @@ def rows_of(root: str, target: float) -> list:
         cfg = doc.get("config", {})
         if cfg.get("seed") != SEED:
             continue
-        h = int(cfg.get("sync_every", DEFAULT_H))
         for method, curve in doc["curves"].items():
+            method, own_h = split_sync_every(method)
+            h = own_h or int(cfg.get("sync_every", DEFAULT_H))
             if method.startswith(LOCAL_PREFIXES) and h != DEFAULT_H:
                 method = f"{method} H={h}"
             if method.startswith("d-local-") and float(cfg.get("outer_scale", 1.0)) != 1.0:

@@ -86,7 +86,7 @@ def train_rank(rank: int, world: int, cfg: dict, emit: Callable[[dict], None]) -
     from dlion.lab.data import char_batches, load_shakespeare
 
     from .e2e.instrument import Instrument
-    from .e2e.methods import SYNC_EVERY, MethodRun
+    from .e2e.methods import MethodRun, sync_every_of
 
     torch.set_num_threads(1)
     train_ids, val_ids, vocab = load_shakespeare()
@@ -95,13 +95,14 @@ def train_rank(rank: int, world: int, cfg: dict, emit: Callable[[dict], None]) -
     inst.install()  # counts the DDP methods' all-reduce bytes (the others count their own)
     for method in cfg["methods"]:
         run = MethodRun(method, rank, cfg, len(vocab), inst)
+        talks_every_h = sync_every_of(method, cfg.get("sync_every", 10)) is not None
         base = [g["lr"] for g in run.opt.param_groups]
         g = torch.Generator().manual_seed(1000 * cfg["seed"] + rank)
         warm = max(1, int(cfg["warmup_frac"] * cfg["steps"]))
         curve, train_s = [], 0.0
         # methods talking every H steps: evaluate the agreed parameters (the anchor, DiLoCo's θ), not
         # rank 0's local ones; a streaming round in flight is applied after the last step only
-        agreed = run.opt.anchored if method in SYNC_EVERY else contextlib.nullcontext
+        agreed = run.opt.anchored if talks_every_h else contextlib.nullcontext
         if rank == 0:
             with agreed():
                 curve.append((0, evaluate(run.model, val)))
@@ -113,7 +114,7 @@ def train_rank(rank: int, world: int, cfg: dict, emit: Callable[[dict], None]) -
             t = time.perf_counter()
             run.step(x, y, measure=True)
             train_s += time.perf_counter() - t
-            if method in SYNC_EVERY and step + 1 == cfg["steps"]:
+            if talks_every_h and step + 1 == cfg["steps"]:
                 run.opt.flush()  # every rank (untimed, like the evaluations)
             if rank == 0:
                 emit({"tick": 1})
@@ -123,7 +124,7 @@ def train_rank(rank: int, world: int, cfg: dict, emit: Callable[[dict], None]) -
         dist.barrier()
         run.end_measure()  # a last exchange in flight counts too
         sent = run.result()["bytes_sent_per_step"]  # this rank's, over every step of the run (every rank calls it)
-        if method not in SYNC_EVERY and hasattr(run.opt, "check_replicas"):  # (result() checked the others)
+        if not talks_every_h and hasattr(run.opt, "check_replicas"):  # (result() checked the others)
             run.opt.check_replicas()
         if rank == 0:
             emit({"method": method, "curve": curve, "train_s": train_s, "params": run.params,
@@ -384,33 +385,49 @@ def _step_times(path: str, cfg: dict, workers: int, phase: str = "rounds") -> tu
         raise SystemExit(f"dlion bench ttq: {path} was measured with another workload "
                          f"({', '.join(f'{k}={other[k]!r}' for k in diff) or 'workers=' + str(doc['workers'])}); "
                          f"run `dlion bench e2e` with the same model, batch and ranks")
-    from .e2e.methods import SYNC_EVERY
+    from .e2e.methods import split_sync_every, sync_every_of
 
-    # the step time of a method talking every H steps is the mean over whole rounds of that H
-    local = sorted({r["method"] for r in doc["results"]} & set(cfg.get("methods", ())) & set(SYNC_EVERY))
+    # the step time of a method talking every H steps is the mean over whole rounds of that H: each such
+    # method trained here takes the e2e result of the same method at the same H (its own name, or its
+    # name + "-h<H>" from a run that timed several H side by side)
+    default_h = other.get("sync_every", 10)
+    measured_h = {r["method"]: r.get("sync_every", sync_every_of(r["method"], default_h)) for r in doc["results"]}
+    local = [m for m in cfg.get("methods", ()) if sync_every_of(m, 10) is not None
+             and any(split_sync_every(r)[0] == split_sync_every(m)[0] for r in measured_h)]
     vote = [m for m in local if m.startswith("d-local")]  # (LocalDistributedLion's options)
     if vote and cfg.get("sync_warmup", 0) and phase == "rounds":
         raise SystemExit(f"dlion bench ttq: these curves were trained with --sync-warmup {cfg['sync_warmup']}: "
                          f"their first {cfg['sync_warmup']} steps sync every step and the rest every "
                          f"{cfg.get('sync_every', 10)}, which one measured step time per method does not cover: "
                          "give --warmup-step-times, measured with `dlion bench e2e --sync-every 1`")
-    want_h = 1 if phase == "warmup" else cfg.get("sync_every", 10)
     if phase == "warmup" and not vote:
         raise SystemExit(f"dlion bench ttq: --warmup-step-times {path} has no step times of the d-local-* "
                          f"methods trained here ({', '.join(cfg.get('methods', ()))})")
     if vote and cfg.get("abstain_below", 0.0) != other.get("abstain_below", 0.0):
         raise SystemExit(f"dlion bench ttq: these curves were trained with --abstain-below {cfg.get('abstain_below', 0.0)}, "
                          f"{path} measured d-local-* with {other.get('abstain_below', 0.0)}: abstentions change the bytes")
-    if local and other.get("sync_every") != want_h:
-        raise SystemExit(f"dlion bench ttq: {path} measured {', '.join(local)} with --sync-every "
-                         f"{other.get('sync_every')}, not {want_h}: their step times depend on H; "
-                         f"run `dlion bench e2e --sync-every {want_h}`"
-                         + (" for the warm-up" if phase == "warmup" else " or train with that H"))
+    source = {}  # method trained here -> the e2e result timed at its H
+    for m in local:
+        want_h = 1 if phase == "warmup" else sync_every_of(m, cfg.get("sync_every", 10))
+        base = split_sync_every(m)[0]
+        found = [r for r in (m, f"{base}-h{want_h}", base) if measured_h.get(r) == want_h]
+        if not found:
+            timed = sorted(f"{r} (H = {h})" for r, h in measured_h.items() if split_sync_every(r)[0] == base)
+            raise SystemExit(f"dlion bench ttq: {path} measured {', '.join(timed)}, not {m} at H = {want_h}: "
+                             "its step times depend on H; run "
+                             + ("`dlion bench e2e --sync-every 1` for the warm-up" if phase == "warmup" else
+                                f"`dlion bench e2e --methods {base}-h{want_h}` or train with that H"))
+        source[m] = found[0]
     stat = "mean" if all("ms_mean" in r for r in doc["results"]) else "median"
     out: dict = {}
     for r in doc["results"]:
-        if phase != "warmup" or r["method"] in vote:
+        if r["method"] not in source and phase != "warmup":  # (those trained here at another H: below)
             out.setdefault(r["method"], {})[r["link"]] = r["ms_mean" if stat == "mean" else "ms_per_step"]
+    for m, r_name in source.items():
+        if phase != "warmup" or m in vote:
+            for r in doc["results"]:
+                if r["method"] == r_name:
+                    out.setdefault(m, {})[r["link"]] = r["ms_mean" if stat == "mean" else "ms_per_step"]
     return out, stat
 
 

@@ -27,6 +27,8 @@ talking every H = ``--sync-every`` steps
   ``diloco-{adamw,lion}[-bf16]``  DiLoCo (dlion.lab.diloco, torchft's update): H inner AdamW (10 × lr, as
                            G-AdamW) or Lion steps, the pseudo-gradients averaged by an fp32 (bf16) all-reduce,
                            outer Nesterov SGD at ``--outer-lr`` (default 0.7)
+  any of these + ``-h<K>`` (``d-local-avg-h25``, ``diloco-adamw-bf16-h100``): every K steps instead, so
+                           that one run times methods at their own H side by side
   ``--steps`` must be a multiple of H with these: the window (after any ``--warmup``) then holds exactly
   steps/H syncs, since it is ``steps`` consecutive steps and a sync ends every H-th step counted from the
   first. Bytes are those of the window's syncs ÷ ``--steps`` (streaming: from the end of the round in
@@ -78,8 +80,8 @@ from typing import Optional
 
 from .instrument import Instrument
 from .launch import e2e_env_worker, run_e2e_cluster, run_e2e_loopback, make_batches, run_methods
-from .methods import (BASELINES, DLION, GROUPS, LABELS, METHODS, POWERSGD_START_ITER, SYNC_EVERY, MethodRun,
-                      add_local_vote_args, label, methods_from_args, parse_methods)
+from .methods import (BASELINES, DLION, GROUPS, LABELS, METHODS, POWERSGD_START_ITER, MethodRun,
+                      add_local_vote_args, label, methods_from_args, parse_methods, sync_every_of)
 from .report import write_report, headline, overlap, overlap_lines, plot, profile_lines, summarize, table
 
 # The package: methods (names, groups, labels, one method on one rank), instrument (byte
@@ -107,7 +109,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=10, help="measured steps per method (default 10)")
     ap.add_argument("--warmup", type=int, default=3, help="unmeasured steps first (default 3)")
     ap.add_argument("--sync-every", type=int, default=10, metavar="H",
-                    help="local steps per sync of d-local-* and diloco-* (default 10); --steps must be a multiple")
+                    help="local steps per sync of d-local-* and diloco-* (default 10; a method named with -h<K>, "
+                         "e.g. d-local-avg-h25, syncs every K instead); --steps must be a multiple of each")
     add_local_vote_args(ap)
     ap.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer Nesterov SGD lr (default 0.7)")
     ap.add_argument("--n-layer", type=int, default=6)
@@ -189,10 +192,11 @@ def main(argv: list[str]) -> int:
     if not 0 <= args.compute_nice <= 19:
         ap.error(f"--compute-nice must be in 0..19, got {args.compute_nice}")
     methods = methods_from_args(ap, args)
-    local = [m for m in methods if m in SYNC_EVERY]
-    if local and args.steps % args.sync_every:
-        ap.error(f"--steps {args.steps} is not a multiple of --sync-every {args.sync_every}: {', '.join(local)} "
-                 "sync every H steps, and the measured window must hold whole rounds (steps/H syncs)")
+    for m in methods:
+        h = sync_every_of(m, args.sync_every)
+        if h is not None and args.steps % h:
+            ap.error(f"--steps {args.steps} is not a multiple of {m}'s H = {h}: it syncs every H steps, and the "
+                     "measured window must hold whole rounds (steps/H syncs)")
     if any(m.startswith("h-") for m in methods) and args.nodes is None:
         ap.error("the hierarchical methods (h-*) need --nodes K --per-node L")
     if any("powersgd" in m for m in methods) and args.warmup < POWERSGD_START_ITER:

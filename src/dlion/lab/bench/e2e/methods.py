@@ -33,6 +33,26 @@ DILOCO = ("diloco-adamw", "diloco-lion", "diloco-adamw-bf16", "diloco-lion-bf16"
 SYNC_EVERY = LOCAL + DILOCO
 METHODS = BASELINES + DLION + HIER + SYNC_EVERY
 _MOMENTUM_SYNC = re.compile(r"^(d-.+)-ms(\d+|d)$")  # a D-Lion method + "-ms<K>": momenta averaged every K steps
+_OWN_H = re.compile(r"^(.+)-h(\d+)$")  # a method that talks every H steps + "-h<K>": its own H, not --sync-every's
+
+
+def split_sync_every(method: str) -> tuple[str, Optional[int]]:
+    """``"d-local-avg-h25"`` → ``("d-local-avg", 25)``, ``"diloco-adamw-bf16-h100"`` →
+    ``("diloco-adamw-bf16", 100)``: a method that talks every H steps may name its own H, so that one
+    run times several H side by side. Any other name → ``(name, None)`` (H from ``--sync-every``)."""
+    m = _OWN_H.match(method)
+    if m is None or m.group(1) not in SYNC_EVERY:
+        return method, None
+    if int(m.group(2)) < 1:
+        raise ValueError(f"{method}: H must be >= 1")
+    return m.group(1), int(m.group(2))
+
+
+def sync_every_of(method: str, default: int) -> Optional[int]:
+    """The H that ``method`` syncs every (its ``-h<K>``, else ``default``); None for a method that
+    talks every step."""
+    base, h = split_sync_every(method)
+    return (h or default) if base in SYNC_EVERY else None
 
 
 def split_momentum_sync(method: str) -> tuple[str, object]:
@@ -54,7 +74,7 @@ def applies_next_step(method: str) -> bool:
 
 
 def is_method(name: str) -> bool:
-    return split_momentum_sync(name)[0] in METHODS
+    return split_momentum_sync(split_sync_every(name)[0])[0] in METHODS
 
 
 GROUPS = {
@@ -112,15 +132,16 @@ def methods_from_args(ap, args) -> list[str]:
         ap.error(str(e))
     if args.sync_every < 1:
         ap.error(f"--sync-every must be >= 1, got {args.sync_every}")
+    local = {m for m in methods if split_sync_every(m)[0] in LOCAL}
     if not args.abstain_below >= 0:
         ap.error(f"--abstain-below must be >= 0, got {args.abstain_below}")
     if not 0 < args.outer_scale < float("inf"):
         ap.error(f"--outer-scale must be > 0, got {args.outer_scale}")
-    if args.outer_scale != 1.0 and not set(methods) & set(LOCAL):
+    if args.outer_scale != 1.0 and not local:
         ap.error("--outer-scale applies to the local vote only: add a d-local-* method to --methods")
-    if args.reset_momentum and not set(methods) & set(LOCAL):
+    if args.reset_momentum and not local:
         ap.error("--reset-momentum applies to the local vote only: add a d-local-* method to --methods")
-    if args.abstain_below and not set(methods) & set(LOCAL):
+    if args.abstain_below and not local:
         ap.error("--abstain-below applies to the local vote only: add d-local-mavo, d-local-mavo-st, d-local-avg or d-local-avg-st "
                  "to --methods")
     return methods
@@ -135,6 +156,9 @@ def takes_ties(method: str) -> bool:
 def label(method: str) -> str:
     if method in LABELS:
         return LABELS[method]
+    base, h = split_sync_every(method)
+    if h is not None:
+        return f"{LABELS[base]}, H = {h}"
     method, sync = split_momentum_sync(method)
     if sync != "none":
         return label(method) + (" +momentum sync (doubling)" if sync == "doubling" else f" +momentum sync /{sync}")
@@ -160,7 +184,8 @@ def parse_methods(text: str) -> list[str]:
             if not is_method(n):
                 raise ValueError(f"unknown method {n!r}; choose from {', '.join(METHODS)} "
                                  f"or the groups {', '.join(GROUPS)}; a D-Lion method may end in -ms<K> "
-                                 "(momenta averaged every K steps) or -msd (after steps 1, 2, 4, 8, …)")
+                                 "(momenta averaged every K steps) or -msd (after steps 1, 2, 4, 8, …), and one "
+                                 "that talks every H steps (d-local-*, diloco-*) in -h<K> (its own H)")
             if n not in out:
                 out.append(n)
     if not out:
@@ -318,7 +343,11 @@ class MethodRun:
 
         import dlion
 
-        self.method, self.rank, self.inst = method, rank, inst
+        self.method, self.rank, self.inst = method, rank, inst  # (the name results are keyed by)
+        self.kind, own_h = split_sync_every(method)  # (what it is: the name without its own H)
+        if own_h is not None:
+            cfg = {**cfg, "sync_every": own_h}
+        method = self.kind
         self.model = model = _build_model(cfg, vocab_size)
         self.params = sum(p.numel() for p in model.parameters())
         lr, betas, wd = cfg["lr"], tuple(cfg.get("betas", (0.9, 0.99))), cfg["weight_decay"]
@@ -426,7 +455,7 @@ class MethodRun:
             self._start = ((stats.bytes_sent, stats.bytes_received) if stats is not None else None, dict(self.tally))
             local = getattr(self.opt, "local_stats", None)
             self._local_start = local.bytes_sent if local is not None else 0
-            self._start_after = self.opt.in_flight_step if self.method in LOCAL else None
+            self._start_after = self.opt.in_flight_step if self.kind in LOCAL else None
             # streaming: a round issued before the window may still be on the wire; the window's bytes
             # start where it completes (SeededLocalDistributedLion.settle), untimed and unchanged
         if measure:
@@ -477,11 +506,11 @@ class MethodRun:
         the first measured step waited for one already), so its bytes count in the window. A
         streaming local method's round in flight completes (untimed: the window's first round end
         waited for the one issued before it) and is applied (``flush``: nothing left in flight)."""
-        if (applies_next_step(self.method) or self.method in LOCAL) and self._start is not None:
+        if (applies_next_step(self.method) or self.kind in LOCAL) and self._start is not None:
             self.opt.settle()
             stats = self.opt.comm_stats
             self._end = (stats.bytes_sent, stats.bytes_received)
-            if self.method in LOCAL:
+            if self.kind in LOCAL:
                 self.opt.flush()
 
     def profile(self, batches: list) -> None:
@@ -492,7 +521,7 @@ class MethodRun:
         training thread's wait for it; the buckets applied while later ones are still on the
         wire count in ``dlion.apply`` and, nested, in ``dlion.exchange``)."""
         self.profile_ms = {}
-        if self.is_ddp or self.method in SYNC_EVERY:  # (a few steps hold no sync, or one: no per-step figure)
+        if self.is_ddp or self.kind in SYNC_EVERY:  # (a few steps hold no sync, or one: no per-step figure)
             return
         from torch.profiler import ProfilerActivity, profile
 
@@ -505,7 +534,7 @@ class MethodRun:
 
     def result(self) -> dict:
         steps = len(self.step_s)
-        inst, m = self.inst, self.method
+        inst, m, kind = self.inst, self.method, self.kind
         if self.is_ddp:
             sent = received = inst.bytes_sent.get(m, 0.0) / steps
             if m in DDP_HOOKS:
@@ -522,9 +551,9 @@ class MethodRun:
             sent = (self._end[0] - b0[0]) / steps
             received = (self._end[1] - b0[1]) / steps
             extra = {}
-            if m in SYNC_EVERY:  # bytes amortised over the window (steps / H syncs)
-                extra = {"sync_every": self.opt.diloco.sync_every if m in DILOCO else self.opt.sync_every}
-                if m in DILOCO:
+            if kind in SYNC_EVERY:  # bytes amortised over the window (steps / H syncs)
+                extra = {"sync_every": self.opt.diloco.sync_every if kind in DILOCO else self.opt.sync_every}
+                if kind in DILOCO:
                     extra["outer_lr"] = self.opt.diloco.outer.param_groups[0]["lr"]
                 else:
                     extra.update({"buckets": len(self.opt.buckets), "algorithms": sorted(set(self.opt.algorithm_names))})
@@ -533,7 +562,7 @@ class MethodRun:
                 intra = (self._local_end - self._local_start) / steps
                 extra = {"inter_node_bytes_sent_per_step": sent, "intra_node_bytes_sent_per_step": intra}
                 sent, received = sent + intra, received + intra
-            if m not in SYNC_EVERY:
+            if kind not in SYNC_EVERY:
                 extra.update({"buckets": len(self.opt.buckets),
                               "algorithms": sorted(set(self.opt.algorithm_names)),
                               "profile_ms_per_step": self.profile_ms})
