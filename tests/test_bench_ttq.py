@@ -299,6 +299,34 @@ def test_across_seeds_keeps_the_local_vote_with_reset_momenta_apart():
     assert "Local D-Lion Avg 1bit (momenta reset at each sync): steps to L 700 / 750" in ttq_seeds.table(s)
 
 
+def test_across_seeds_keeps_each_h_apart_when_the_runs_were_trained_at_several():
+    """The local vote trained at H = 25 and at H = 50, and DiLoCo at 100, each composed with one e2e
+    run that timed all three (d-local-avg-h25, d-local-avg-h50, diloco-adamw-bf16-h100): one row per
+    H, labelled with it; a run composed with another e2e run's step times is refused."""
+    from dlion.lab.bench import ttq_seeds
+
+    e2e = {"compute": {"50mbit": 12.0}, "d-local-avg-h25": {"50mbit": 20.0}, "d-local-avg-h50": {"50mbit": 16.0},
+           "diloco-adamw-bf16-h100": {"50mbit": 25.0}}
+    docs = []
+    for seed in (0, 1):
+        for method, h, steps in (("d-local-avg", 25, 780), ("d-local-avg", 50, 1000), ("diloco-adamw-bf16", 100, 900)):
+            d = _seed_doc(seed, {method: (steps, 2.0, {"50mbit": steps * e2e[f"{method}-h{h}"]["50mbit"] / 1e3})})
+            d["config"]["sync_every"] = h
+            d["step_times_ms"] = {**e2e, method: e2e[f"{method}-h{h}"]}  # (as ttq composes them)
+            docs.append(d)
+    s = ttq_seeds.summarize(docs)
+    assert list(s["methods"]) == ["d-local-avg-h25", "d-local-avg-h50", "diloco-adamw-bf16-h100"]
+    assert s["methods"]["d-local-avg-h25"]["mean_time_to_target_s"]["50mbit"] == pytest.approx(15.6)
+    assert s["first"]["50mbit"] == ["d-local-avg-h25", "d-local-avg-h25"]
+    assert "Local D-Lion Avg 1bit, H = 50: steps to L 1000 / 1000" in ttq_seeds.table(s)
+    other = json.loads(json.dumps(docs[-1]))
+    other["config"]["seed"] = 2
+    other["step_times_ms"]["compute"] = {"50mbit": 13.0}
+    with pytest.raises(ValueError, match="different step times"):
+        ttq_seeds.summarize(docs + [other])
+    assert list(ttq_seeds.summarize(docs[::3])["methods"]) == ["d-local-avg"]  # (one H: no suffix)
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(target=2.0), "targets differ"), (dict(seed=0), "seeds repeat"), (dict(steps=2000), "steps")])
 def test_across_seeds_refuses_runs_that_are_not_one_experiment(change, message):

@@ -10,8 +10,9 @@ Runs may also differ in ``--lr`` and ``--warmup-frac`` (each method at the setti
 it): a seed can then come in several files, and every (method, lr) is a row of its own, e.g.
 ``d-mavo-1bit-ov-rt@lr=0.0004`` (``…@lr=0.0001,warmup=0.1`` where the warm-ups differ); the local
 vote trained with ``--abstain-below`` τ is a row of its own (``…|abstain_below=0.5``), and so is
-it with ``--reset-momentum`` (``…|reset_momentum``). A
-(method, settings) given twice for one seed is refused.
+it with ``--reset-momentum`` (``…|reset_momentum``). Methods that talk every H steps trained at
+several H (each composed with one e2e run that timed them all, ``--methods d-local-avg-h25,…``) are
+a row per H (``d-local-avg-h25``). A (method, settings) given twice for one seed is refused.
 
 Output in ``--out``: ``ttq_seeds.json``, ``ttq_seeds.txt`` and ``ttq_seeds.png`` (per link
 rate, each seed's time to L per method; "never" at the right edge).
@@ -26,7 +27,7 @@ from typing import Optional
 
 from dlion.lab.cluster import rate_key
 
-from .e2e.methods import takes_ties
+from .e2e.methods import split_sync_every, sync_every_of, takes_ties
 
 #: what the runs must share (besides the seed, the lr and the warm-up) to be compared
 SHARED = ("n_layer", "n_embd", "n_head", "block_size", "batch_size", "bucket_mb", "weight_decay", "betas",
@@ -39,6 +40,24 @@ _BEFORE_RECORDED = {"betas": [0.9, 0.99]}
 
 def _setting(doc: dict, key: str):
     return doc["config"].get(key, _BEFORE_RECORDED.get(key))
+
+
+def _trained_h(doc: dict) -> int:
+    return doc["config"].get("sync_every", 10)
+
+
+def _talks_every_h(method: str) -> bool:
+    return sync_every_of(method, 10) is not None
+
+
+def _same_step_times(a: dict, b: dict) -> bool:
+    """Whether two composed runs took their step times from one e2e run: every method both list at
+    the same H (a method that talks every H steps, trained at another H in one of them, was timed
+    at that H) has the same step times in both, and they share at least one."""
+    ta, tb = a.get("step_times_ms") or {}, b.get("step_times_ms") or {}
+    common = [m for m in ta.keys() & tb.keys()
+              if sync_every_of(m, _trained_h(a)) == sync_every_of(m, _trained_h(b))]
+    return (not ta and not tb) or (bool(common) and all(ta[m] == tb[m] for m in common))
 
 
 def summarize(docs: list[dict]) -> dict:
@@ -61,16 +80,19 @@ def summarize(docs: list[dict]) -> dict:
         if d.get("compute_speedup") != ref.get("compute_speedup"):
             raise ValueError(f"the runs emulate different hosts (--compute-speedup {d.get('compute_speedup')} vs "
                              f"{ref.get('compute_speedup')})")
-        if d.get("step_times_ms") != ref.get("step_times_ms"):
+        if not _same_step_times(d, ref):
             raise ValueError("the runs were composed with different step times (use one --step-times file)")
     seeds = list(dict.fromkeys(d["config"].get("seed") for d in docs))
     by_warmup = len({_setting(d, "warmup_frac") for d in docs}) > 1
     by_lr = by_warmup or len({_setting(d, "lr") for d in docs}) > 1
+    # methods that talk every H steps, trained at several H: each H a row of its own, named <method>-h<H>
+    by_h = len({_trained_h(d) for d in docs if any(_talks_every_h(m) for m in d["composed"]["methods"])}) > 1
     rows_of: dict = {}  # (method key) -> {seed index: composed row}
     for d in docs:
         i = seeds.index(d["config"].get("seed"))
         for m, row in d["composed"]["methods"].items():
-            key = f"{m}@lr={_setting(d, 'lr'):g}" if by_lr else m
+            name = f"{m}-h{_trained_h(d)}" if by_h and _talks_every_h(m) and split_sync_every(m)[1] is None else m
+            key = f"{name}@lr={_setting(d, 'lr'):g}" if by_lr else name
             if by_warmup:
                 key += f",warmup={_setting(d, 'warmup_frac'):g}"
             if m.startswith("d-local") and d["config"].get("abstain_below", 0.0):  # another rule: a row of its own
