@@ -7,8 +7,9 @@ another e2e run's compute-only step, and compared per seed with methods composed
 A step time of the method is (its mean ms in E_OWN) − (compute only in E_OWN) + (compute only in
 E_REF), per link, each ÷ the emulated speed-up of the compositions: what its wire and exchange cost
 on top of compute, on the other run's compute. Used for a method timed in another e2e run than the
-others (each run has a compute-only step of its own: the machine's speed drifts between runs). Prints and writes per seed and link
-the rebased time, the soonest other method and whether this one is first. ``--rebased-others`` adds
+others (each run has a compute-only step of its own: the machine's speed drifts between runs).
+Prints and writes per seed and link the rebased time, the soonest other method and whether this one
+is first. ``--rebased-others`` adds
 competitors moved the same way (this script's own outputs, e.g. DiLoCo at H = 100 from its e2e run).
 """
 
