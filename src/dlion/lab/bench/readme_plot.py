@@ -58,6 +58,9 @@ PANELS = (
         ("d-local-avg", "Local D-Lion Avg, H = 50, momenta reset",
          "ttq-heldout-x16/dlocal-avg-h50-reset-seed{}/ttq_results.json", range(5),
          {"e2e": "e2e-local-x16-avg-h50/e2e_results.json", "color": "tab:brown"}),
+        ("d-local-avg", "Local D-Lion Avg, H = 25, momenta reset",
+         "ttq-heldout-x16/dlocal-avg-h25-reset-seed{}/ttq_results.json", range(5),
+         {"key": "d-local-avg-h25", "e2e": "e2e-local-x16-avg-h25/e2e_results.json", "color": "tab:cyan"}),
         ("diloco-adamw-bf16", "DiLoCo AdamW bf16, H = 100",
          "ttq-heldout-x16/diloco-bf16-h100-lr1e-4-seed{}/ttq_results.json", range(5),
          {"e2e": "e2e-local-x16-h100/e2e_results.json", "color": "tab:pink"}),
@@ -196,7 +199,7 @@ def plot(panels: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 4.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 6.0), squeeze=False)
     for ax, p in zip(axes[0], panels):
         for row in p["methods"]:
             pts = [c for c in row["curve"] if c["step"] > 0]  # log time axis: from the first evaluation
@@ -214,7 +217,8 @@ def plot(panels: list[dict], path: str) -> None:
         ax.set_ylabel("validation loss (nats/char)")
         ax.set_title(f"{p['title']}, {p['link'].replace('mbit', ' Mbit/s')}", fontsize=10)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8, loc="upper right")
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)  # (below:
+        # inside, the legend covered the curves where they reach the target)
     fig.suptitle("CharGPT 4.8 M, 4 ranks, 1000 steps: median over seeds (line), min–max (shaded); "
                  f"dotted: target {panels[0]['target_loss']:g}", fontsize=9)
     fig.tight_layout()
