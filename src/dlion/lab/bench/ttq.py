@@ -86,7 +86,7 @@ def train_rank(rank: int, world: int, cfg: dict, emit: Callable[[dict], None]) -
     from dlion.lab.data import char_batches, load_shakespeare
 
     from .e2e.instrument import Instrument
-    from .e2e.methods import MethodRun, sync_every_of
+    from .e2e.methods import MethodRun, talks_every_h
 
     torch.set_num_threads(1)
     train_ids, val_ids, vocab = load_shakespeare()
@@ -95,14 +95,14 @@ def train_rank(rank: int, world: int, cfg: dict, emit: Callable[[dict], None]) -
     inst.install()  # counts the DDP methods' all-reduce bytes (the others count their own)
     for method in cfg["methods"]:
         run = MethodRun(method, rank, cfg, len(vocab), inst)
-        talks_every_h = sync_every_of(method, cfg.get("sync_every", 10)) is not None
+        every_h = talks_every_h(method)
         base = [g["lr"] for g in run.opt.param_groups]
         g = torch.Generator().manual_seed(1000 * cfg["seed"] + rank)
         warm = max(1, int(cfg["warmup_frac"] * cfg["steps"]))
         curve, train_s = [], 0.0
         # methods talking every H steps: evaluate the agreed parameters (the anchor, DiLoCo's θ), not
         # rank 0's local ones; a streaming round in flight is applied after the last step only
-        agreed = run.opt.anchored if talks_every_h else contextlib.nullcontext
+        agreed = run.opt.anchored if every_h else contextlib.nullcontext
         if rank == 0:
             with agreed():
                 curve.append((0, evaluate(run.model, val)))
@@ -114,7 +114,7 @@ def train_rank(rank: int, world: int, cfg: dict, emit: Callable[[dict], None]) -
             t = time.perf_counter()
             run.step(x, y, measure=True)
             train_s += time.perf_counter() - t
-            if talks_every_h and step + 1 == cfg["steps"]:
+            if every_h and step + 1 == cfg["steps"]:
                 run.opt.flush()  # every rank (untimed, like the evaluations)
             if rank == 0:
                 emit({"tick": 1})
@@ -124,7 +124,7 @@ def train_rank(rank: int, world: int, cfg: dict, emit: Callable[[dict], None]) -
         dist.barrier()
         run.end_measure()  # a last exchange in flight counts too
         sent = run.result()["bytes_sent_per_step"]  # this rank's, over every step of the run (every rank calls it)
-        if not talks_every_h and hasattr(run.opt, "check_replicas"):  # (result() checked the others)
+        if not every_h and hasattr(run.opt, "check_replicas"):  # (result() checked the others)
             run.opt.check_replicas()
         if rank == 0:
             emit({"method": method, "curve": curve, "train_s": train_s, "params": run.params,
@@ -385,14 +385,14 @@ def _step_times(path: str, cfg: dict, workers: int, phase: str = "rounds") -> tu
         raise SystemExit(f"dlion bench ttq: {path} was measured with another workload "
                          f"({', '.join(f'{k}={other[k]!r}' for k in diff) or 'workers=' + str(doc['workers'])}); "
                          f"run `dlion bench e2e` with the same model, batch and ranks")
-    from .e2e.methods import split_sync_every, sync_every_of
+    from .e2e.methods import split_sync_every, sync_every_of, talks_every_h
 
     # the step time of a method talking every H steps is the mean over whole rounds of that H: each such
     # method trained here takes the e2e result of the same method at the same H (its own name, or its
     # name + "-h<H>" from a run that timed several H side by side)
     default_h = other.get("sync_every", 10)
     measured_h = {r["method"]: r.get("sync_every", sync_every_of(r["method"], default_h)) for r in doc["results"]}
-    local = [m for m in cfg.get("methods", ()) if sync_every_of(m, 10) is not None
+    local = [m for m in cfg.get("methods", ()) if talks_every_h(m)
              and any(split_sync_every(r)[0] == split_sync_every(m)[0] for r in measured_h)]
     vote = [m for m in local if m.startswith("d-local")]  # (LocalDistributedLion's options)
     if vote and cfg.get("sync_warmup", 0) and phase == "rounds":

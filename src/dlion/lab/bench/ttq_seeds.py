@@ -27,7 +27,7 @@ from typing import Optional
 
 from dlion.lab.cluster import rate_key
 
-from .e2e.methods import split_sync_every, sync_every_of, takes_ties
+from .e2e.methods import split_sync_every, sync_every_of, takes_ties, talks_every_h
 
 #: what the runs must share (besides the seed, the lr and the warm-up) to be compared
 SHARED = ("n_layer", "n_embd", "n_head", "block_size", "batch_size", "bucket_mb", "weight_decay", "betas",
@@ -44,10 +44,6 @@ def _setting(doc: dict, key: str):
 
 def _trained_h(doc: dict) -> int:
     return doc["config"].get("sync_every", 10)
-
-
-def _talks_every_h(method: str) -> bool:
-    return sync_every_of(method, 10) is not None
 
 
 def _same_step_times(a: dict, b: dict) -> bool:
@@ -86,12 +82,12 @@ def summarize(docs: list[dict]) -> dict:
     by_warmup = len({_setting(d, "warmup_frac") for d in docs}) > 1
     by_lr = by_warmup or len({_setting(d, "lr") for d in docs}) > 1
     # methods that talk every H steps, trained at several H: each H a row of its own, named <method>-h<H>
-    by_h = len({_trained_h(d) for d in docs if any(_talks_every_h(m) for m in d["composed"]["methods"])}) > 1
+    by_h = len({_trained_h(d) for d in docs if any(talks_every_h(m) for m in d["composed"]["methods"])}) > 1
     rows_of: dict = {}  # (method key) -> {seed index: composed row}
     for d in docs:
         i = seeds.index(d["config"].get("seed"))
         for m, row in d["composed"]["methods"].items():
-            name = f"{m}-h{_trained_h(d)}" if by_h and _talks_every_h(m) and split_sync_every(m)[1] is None else m
+            name = f"{m}-h{_trained_h(d)}" if by_h and talks_every_h(m) and split_sync_every(m)[1] is None else m
             key = f"{name}@lr={_setting(d, 'lr'):g}" if by_lr else name
             if by_warmup:
                 key += f",warmup={_setting(d, 'warmup_frac'):g}"

@@ -48,11 +48,15 @@ def split_sync_every(method: str) -> tuple[str, Optional[int]]:
     return m.group(1), int(m.group(2))
 
 
+def talks_every_h(method: str) -> bool:
+    """Whether ``method`` (with or without its own ``-h<K>``) syncs every H steps, not every step."""
+    return split_sync_every(method)[0] in SYNC_EVERY
+
+
 def sync_every_of(method: str, default: int) -> Optional[int]:
     """The H that ``method`` syncs every (its ``-h<K>``, else ``default``); None for a method that
     talks every step."""
-    base, h = split_sync_every(method)
-    return (h or default) if base in SYNC_EVERY else None
+    return (split_sync_every(method)[1] or default) if talks_every_h(method) else None
 
 
 def split_momentum_sync(method: str) -> tuple[str, object]:

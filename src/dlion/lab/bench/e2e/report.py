@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .methods import BASELINES, DDP_HOOKS, SYNC_EVERY, label, split_sync_every
+from .methods import BASELINES, DDP_HOOKS, label, split_sync_every, talks_every_h
 
 
 def summarize(per_rank: list[dict]) -> dict:
@@ -206,8 +206,8 @@ def plot(results: list[dict], methods: list[str], path: str, title: str, nodes: 
                 style = dict(color=colors.get(key, "tab:gray"),
                              ls=":" if m == "sync-only" else "--" if m.endswith("-ov") else "-", lw=2,
                              marker="o" if "adamw" not in m else "s")
-            elif split_sync_every(m)[0] in SYNC_EVERY:  # talking every H steps: local D-Lion dark blue, DiLoCo
-                kind = split_sync_every(m)[0]  # grey; bf16 / streaming dashed
+            elif talks_every_h(m):  # talking every H steps: local D-Lion dark blue, DiLoCo grey; bf16 / streaming dashed
+                kind = split_sync_every(m)[0]
                 style = dict(color="navy" if m.startswith("d-") else "dimgray" if "adamw" in m else "darkgoldenrod",
                              ls="--" if kind.endswith(("-st", "-bf16")) else "-", lw=1.8,
                              marker="P" if m.startswith("d-") else "X", ms=6)
