@@ -411,6 +411,24 @@ def test_e2e_reset_momentum_reaches_the_local_vote(tmp_path, capsys):
     _assert_refused(capsys, (["diloco-lion", "--reset-momentum"], "applies to the local vote only"))
 
 
+def test_e2e_stream_delay_reaches_the_streamed_vote(tmp_path, capsys):
+    """--stream-delay τ is LocalDistributedLion(stream_delay=τ): with rounds of 3 and τ = 1 the round in
+    flight is applied one step into the next round, so the last loss differs from the run that applies
+    it at the next round's end, while the bytes do not; τ is recorded in the config, refused below 1 or
+    without a streamed local method."""
+    rows = {}
+    for name, flags in (("late", []), ("early", ["--stream-delay", "1"])):
+        assert e2e.main(_tiny(tmp_path / name, 2, ["compute", "d-local-avg-st"], "--steps", "6", "--warmup", "3",
+                              "--sync-every", "3", *flags)) == 0
+        doc = json.loads((tmp_path / name / "e2e_results.json").read_text())
+        assert doc["config"]["stream_delay"] == (1 if name == "early" else None)
+        rows[name] = {r["method"]: r for r in doc["results"]}["d-local-avg-st"]
+    assert rows["early"]["loss_last"] != rows["late"]["loss_last"]
+    assert rows["early"]["bytes_sent_per_rank_per_step"] == rows["late"]["bytes_sent_per_rank_per_step"]
+    _assert_refused(capsys, (["d-local-avg-st", "--stream-delay", "0"], "--stream-delay must be >= 1"),
+                    (["d-local-avg", "--stream-delay", "2"], "applies to the streamed local vote only"))
+
+
 def test_e2e_diloco_all_reduces_every_parameter_once_per_round(tmp_path):
     """diloco-* on 3 ranks, H = 2: one ring all-reduce of every parameter per round, 2(N-1)/N × 4
     bytes (fp32) or 2 (bf16) per parameter, ÷ H per step."""

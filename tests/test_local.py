@@ -86,10 +86,13 @@ def reference(world, steps, H, vote="mavo", ef=True, alpha=1.0, dense=False, bat
     return anchors, xs
 
 
-def reference_streaming(world, steps, H, vote="mavo", ef=True, alpha=1.0, batches=None, warmup=0, reset=False):
+def reference_streaming(world, steps, H, vote="mavo", ef=True, alpha=1.0, batches=None, warmup=0, reset=False,
+                        delay=None):
     """Streaming: round r's vote is applied at the end of round r + 1, replacing each worker's own
     progress of round r; returns the anchor after each round's end and every worker's parameters
-    at the end (before any flush); ``reset``: every worker's momentum is 0 again at each round's end."""
+    at the end (before any flush); ``reset``: every worker's momentum is 0 again at each round's end;
+    ``delay``: round r's vote is applied ``delay`` steps after its end if round r + 1 is longer, and the
+    start of round r + 1 (from which its progress is measured) moves with the worker's parameters."""
     x0 = init_params(0)
     anchor = [p.clone() for p in x0]
     xs = [[p.clone() for p in x0] for _ in range(world)]
@@ -98,7 +101,7 @@ def reference_streaming(world, steps, H, vote="mavo", ef=True, alpha=1.0, batche
     starts = [[p.clone() for p in x0] for _ in range(world)]
     progress = [[torch.zeros_like(p) for p in x0] for _ in range(world)]
     touched = [[False] * len(x0) for _ in range(world)]
-    pending, S, anchors = None, 0.0, {}
+    pending, S, anchors, sent = None, 0.0, {}, 0
     for t in range(steps):
         S += LR
         for i in range(world):
@@ -106,7 +109,17 @@ def reference_streaming(world, steps, H, vote="mavo", ef=True, alpha=1.0, batche
                 if g is not None:
                     xs[i][j], ms[i][j] = lion_literal(xs[i][j], ms[i][j], g, LR, BETAS, WD)
                     touched[i][j] = True
-        if not ends_round(t + 1, H, warmup):
+        ends = ends_round(t + 1, H, warmup)
+        if not ends:
+            if pending is not None and delay is not None and t + 1 - sent >= delay:
+                delta, eta, active = pending
+                for j in range(len(x0)):
+                    new = anchor[j] - eta * delta[j] if active[j] else anchor[j]
+                    for i in range(world):
+                        xs[i][j] = new + ((xs[i][j] - anchor[j]) + progress[i][j])
+                        starts[i][j] = new + ((starts[i][j] - anchor[j]) + progress[i][j])
+                    anchor[j] = new
+                pending = None
             continue
         ds = [[starts[i][j] - xs[i][j] for j in range(len(x0))] for i in range(world)]
         if pending is not None:  # the round in flight: the agreed step replaces each worker's own
@@ -129,7 +142,7 @@ def reference_streaming(world, steps, H, vote="mavo", ef=True, alpha=1.0, batche
                 progress[i][j] = ds[i][j]
                 if touched[i][j] and ef:
                     es[i][j] = cs[i] - cs[i].abs().mean() * torch.sign(cs[i])
-        pending = (delta, alpha * S, active)
+        pending, sent = (delta, alpha * S, active), t + 1
         anchors[t + 1] = [a.clone() for a in anchor]
         touched = [[False] * len(x0) for _ in range(world)]
         S = 0.0
@@ -143,6 +156,7 @@ def local_worker(rank, world, configs):
         params = [p.requires_grad_() for p in init_params(rank)]
         opt = dlion.LocalDistributedLion(params, lr=LR, betas=BETAS, weight_decay=WD, sync_every=cfg["H"],
                                          sync_warmup=cfg.get("W", 0), streaming=cfg.get("streaming", False),
+                                         stream_delay=cfg.get("delay"),
                                          abstain_below=cfg.get("tau", 0.0), reset_momentum=cfg.get("reset", False),
                                          vote=cfg.get("vote", "mavo"), ties=cfg.get("ties", "zero"),
                                          comm=cfg.get("comm", "1bit"), error_feedback=cfg.get("ef", True),
@@ -202,7 +216,10 @@ def test_equals_the_literal_reference_after_every_sync(world):
 
 STREAMING = [dict(H=3, steps=11, streaming=True), dict(H=1, steps=4, streaming=True),
              dict(H=2, steps=8, streaming=True, ef=False, bucket_cap_mb=0.01), dict(H=3, steps=10, streaming=True, W=3),
-             dict(H=3, steps=11, streaming=True, reset=True), dict(H=2, steps=7, streaming=True, W=2, reset=True)]
+             dict(H=3, steps=11, streaming=True, reset=True), dict(H=2, steps=7, streaming=True, W=2, reset=True),
+             # stream_delay: applied 1 (2) steps into rounds of 4 (one of 3 steps applies it at its end: = H)
+             dict(H=4, steps=14, streaming=True, delay=1), dict(H=4, steps=13, streaming=True, delay=2, reset=True),
+             dict(H=3, steps=12, streaming=True, delay=3), dict(H=3, steps=11, streaming=True, W=2, delay=2, ef=False)]
 
 
 @pytest.mark.parametrize("world", [3, 4])
@@ -214,7 +231,11 @@ def test_streaming_equals_its_literal_reference(world):
     results = spawn(local_worker, world, STREAMING)
     for c, cfg in enumerate(STREAMING):
         anchors, xs = reference_streaming(world, cfg["steps"], cfg["H"], ef=cfg.get("ef", True), warmup=cfg.get("W", 0),
+                                          reset=cfg.get("reset", False), delay=cfg.get("delay"))
+        if cfg.get("delay", cfg["H"]) < cfg["H"]:  # (the delay changes the trajectory: the comparison can tell)
+            late, _ = reference_streaming(world, cfg["steps"], cfg["H"], ef=cfg.get("ef", True), warmup=cfg.get("W", 0),
                                           reset=cfg.get("reset", False))
+            assert any(not torch.equal(a, b) for t in anchors for a, b in zip(anchors[t], late[t])), cfg
         for rank, res in enumerate(results):
             r = res[c]
             for t, want in anchors.items():
@@ -350,7 +371,7 @@ def test_abstentions_go_in_base_3_from_the_first_sync():
 
 
 # -- checkpoints ------------------------------------------------------------------------------
-def ckpt_worker(rank, world, path, phase, stop, total, streaming=False, reset=False):
+def ckpt_worker(rank, world, path, phase, stop, total, streaming=False, reset=False, delay=None):
     from dlion import checkpoint
     params = [p.requires_grad_() for p in init_params(rank)]
     model = torch.nn.Module()
@@ -358,7 +379,7 @@ def ckpt_worker(rank, world, path, phase, stop, total, streaming=False, reset=Fa
         model.register_parameter(f"p{j}", torch.nn.Parameter(p.detach().clone()))
     params = list(model.parameters())
     opt = dlion.LocalDistributedLion(model.named_parameters(), lr=LR, betas=BETAS, weight_decay=WD, sync_every=3,
-                                     comm="1bit", streaming=streaming, reset_momentum=reset)
+                                     comm="1bit", streaming=streaming, reset_momentum=reset, stream_delay=delay)
     start = 0
     if phase == "resume":
         info = checkpoint.load(path, model, opt)
@@ -408,6 +429,20 @@ def test_streaming_checkpoint_with_a_round_in_flight_resumes_bitwise(tmp_path):
         assert n == m == 13 and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.mark.parametrize("stop", [7, 8])
+def test_stream_delay_checkpoint_resumes_bitwise(tmp_path, stop):
+    """stream_delay=2 with rounds of 3: saved at step 7 the round that ended at step 6 is still in flight
+    (applied at step 8), saved at step 8 it is applied and the round's start has moved; both resume
+    bitwise, and the run differs from the one applying each round at the next round's end."""
+    path = str(tmp_path / "ckpt.pt")
+    full = spawn(ckpt_worker, 3, path, "save", stop, 13, True, False, 2)
+    resumed = spawn(ckpt_worker, 3, path, "resume", stop, 13, True, False, 2)
+    late = spawn(ckpt_worker, 3, str(tmp_path / "late.pt"), "save", stop, 13, True)
+    for (a, n), (b, m), (c, _) in zip(full, resumed, late):
+        assert n == m == 13 and all(torch.equal(x, y) for x, y in zip(a, b))
+        assert any(not torch.equal(x, y) for x, y in zip(a, c))
+
+
 # -- misuse ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, message", [
     (dict(sync_every=0), "sync_every"), (dict(sync_every=2.0), "sync_every"), (dict(outer_scale=0), "outer_scale"),
@@ -416,6 +451,8 @@ def test_streaming_checkpoint_with_a_round_in_flight_resumes_bitwise(tmp_path):
     (dict(abstain_below=-0.1), "abstain_below"), (dict(abstain_below=True), "abstain_below"),
     (dict(abstain_below=0.5, aggregate="quantized"), "abstain_below"),
     (dict(reset_momentum=1), "reset_momentum"), (dict(reset_momentum=None), "reset_momentum"),
+    (dict(stream_delay=2), "streaming=True"), (dict(streaming=True, stream_delay=0), "stream_delay"),
+    (dict(streaming=True, stream_delay=True), "stream_delay"), (dict(streaming=True, stream_delay=2.0), "stream_delay"),
 ])
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -451,6 +488,8 @@ def failing_worker(rank, world, kind):
                 opt.abstain_below = 0.5
             elif kind == "reset_momentum":  # (the anchor would stay identical; the training would not)
                 opt.reset_momentum = True
+            elif kind == "stream_delay":  # (one rank would apply the round in flight at another step)
+                opt.stream_delay = 1
             elif kind == "sync_every":  # rank 1's round ends after step 2, the others' after step 3
                 opt.sync_every = 2
             else:
@@ -468,6 +507,7 @@ def failing_worker(rank, world, kind):
     ("abstain_below", ("ValueError",), "disagree on .*abstain_below"),
     ("sync_every", ("ValueError",), "disagree on .*sync_every"),
     ("reset_momentum", ("ValueError",), "disagree on .*reset_momentum"),
+    ("stream_delay", ("ValueError",), "disagree on .*stream_delay"),
     ("raise", ("FloatingPointError",), "inf/NaN"),
 ])
 def test_a_bad_round_on_one_rank_raises_on_every_rank_at_the_sync_and_applies_nothing(kind, error, message):

@@ -99,9 +99,14 @@ class LocalDistributedLion(DistributedLion):
         outer_scale: α, the outer step is α·S·Δ with S the round's summed lr.
         error_feedback: carry what the sign dropped into the next round (module docstring).
         streaming: exchange each round's vote behind the next round and apply it one round later.
+        stream_delay: with ``streaming=True``, apply the round in flight after this many steps of the
+            next round instead of at its end (Streaming DiLoCo's overlap τ, arXiv 2501.18512): the ranks
+            then carry their own unagreed progress for τ steps, not a whole round, and the exchange
+            must fit in τ steps of compute to stay hidden. None (default) or τ ≥ H: at the next
+            round's end. A round shorter than τ (``sync_warmup``) applies it at its end.
         reset_momentum: every rank's Lion momentum back to 0 at the end of every round, once the
-            round's agreed step is applied (``streaming=True``: once the round in flight is applied,
-            as this round's exchange leaves), so that each round's local steps start from zero
+            round's agreed step is applied (``streaming=True``: as this round's exchange leaves, once
+            the round in flight is applied, or earlier with ``stream_delay``), so that each round's local steps start from zero
             momentum. No bits. Each rank's momentum otherwise carries the direction it took in one
             round into the next, where the ranks then disagree more (docs/results.md, "The first syncs,
             traced"). The rounds of ``sync_warmup`` reset too: those steps are sign descent on the
@@ -139,6 +144,7 @@ class LocalDistributedLion(DistributedLion):
         outer_scale: float = 1.0,
         error_feedback: bool = True,
         streaming: bool = False,
+        stream_delay: Optional[int] = None,
         reset_momentum: bool = False,
         abstain_below: float = 0.0,
         **options,
@@ -159,6 +165,12 @@ class LocalDistributedLion(DistributedLion):
             raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
         if not isinstance(streaming, bool):
             raise ValueError(f"streaming must be True or False, got {streaming!r}")
+        if stream_delay is not None:
+            if not isinstance(stream_delay, int) or isinstance(stream_delay, bool) or stream_delay < 1:
+                raise ValueError(f"stream_delay must be None or an int >= 1, got {stream_delay!r}")
+            if not streaming:
+                raise ValueError("stream_delay applies to streaming=True (the round in flight is applied that many "
+                                 "steps into the next round); without streaming each round is applied at its end")
         if not isinstance(reset_momentum, bool):
             raise ValueError(f"reset_momentum must be True or False, got {reset_momentum!r}")
         if (not isinstance(abstain_below, (int, float)) or isinstance(abstain_below, bool)
@@ -170,6 +182,7 @@ class LocalDistributedLion(DistributedLion):
         self.sync_every, self.outer_scale, self.error_feedback = sync_every, float(outer_scale), error_feedback
         self.sync_warmup, self.abstain_below = sync_warmup, float(abstain_below)
         self.reset_momentum = reset_momentum
+        self.stream_delay = stream_delay
         self.streaming = streaming  # (read by DistributedLion.__init__: the exchange gets a thread and a group)
         super().__init__(params, lr, betas, weight_decay, **options)
         #: per parameter group: S, the lr summed over the round's steps so far
@@ -198,7 +211,7 @@ class LocalDistributedLion(DistributedLion):
     def _options(self) -> dict:
         return {**super()._options(), "sync_every": self.sync_every, "sync_warmup": self.sync_warmup,
                 "outer_scale": self.outer_scale, "abstain_below": self.abstain_below,
-                "error_feedback": self.error_feedback, "streaming": self.streaming,
+                "error_feedback": self.error_feedback, "streaming": self.streaming, "stream_delay": self.stream_delay,
                 "reset_momentum": self.reset_momentum}
 
     def _accepts_kind(self, kind: str) -> bool:
@@ -242,16 +255,17 @@ class LocalDistributedLion(DistributedLion):
             return WireState(up="ternary", down="ternary")
         return super()._new_wire(algorithm)
 
-    _digested = "lr, betas, weight_decay, maximize, sync_every, sync_warmup, abstain_below or reset_momentum"
+    _digested = "lr, betas, weight_decay, maximize, sync_every, sync_warmup, abstain_below, reset_momentum or stream_delay"
 
     def _digest(self, group: dict) -> int:
         """The outer step α·S, β, weight decay and the round's options must agree on every rank (e.g. one
         rank's lr schedule ahead, or ``sync_every`` changed on one rank: its rounds end elsewhere;
-        ``reset_momentum`` changed on one rank: the anchor would stay identical, its training would not)."""
+        ``reset_momentum`` or ``stream_delay`` changed on one rank: the anchor would stay identical, its training
+        would not)."""
         b1, b2 = group["betas"]
-        raw = struct.pack("<ddddd?qqd?", self._outer_lr(group), float(b1), float(b2), float(group["weight_decay"]),
+        raw = struct.pack("<ddddd?qqd?q", self._outer_lr(group), float(b1), float(b2), float(group["weight_decay"]),
                           float(group["lr"]), bool(group["maximize"]), int(self.sync_every), int(self.sync_warmup),
-                          float(self.abstain_below), bool(self.reset_momentum))
+                          float(self.abstain_below), bool(self.reset_momentum), int(self.stream_delay or 0))
         return zlib.crc32(raw) & 0x7FFFFFFF
 
     def _input_error(self, k: int) -> Optional[Exception]:
@@ -318,11 +332,14 @@ class LocalDistributedLion(DistributedLion):
         every rank but this one's untouched, unchanged ones), A ← x, and this rank's new residual."""
         buf, group = self._slots[k].buffers, b.group
         ps = [p.detach() for p in b.params]
-        if self.streaming:  # keep what this rank did since the round in flight ended: s ← x − A + d
-            rest = b.views(self._slots[k].round_start)
-            torch._foreach_copy_(rest, ps)
-            torch._foreach_sub_(rest, b.views(self._slots[k].anchor))
-            torch._foreach_add_(rest, b.views(self._slots[k].progress))
+        if self.streaming:  # keep what this rank did since the round in flight ended: s ← x − A + d,
+            # and shift the current round's start alike, r ← r − A + d (then A' + s and A' + r)
+            anchor, done, start = (b.views(t) for t in (self._slots[k].anchor, self._slots[k].progress,
+                                                        self._slots[k].round_start))
+            torch._foreach_sub_(start, anchor)
+            torch._foreach_add_(start, done)
+            torch._foreach_sub_(ps, anchor)
+            torch._foreach_add_(done, ps)  # (d + (x − A): addition commutes bitwise)
         torch._foreach_copy_(ps, b.views(self._slots[k].anchor))
         active = o.has_grad.tolist()
         if any(active):
@@ -336,7 +353,8 @@ class LocalDistributedLion(DistributedLion):
             else:
                 last.zero_()
         if self.streaming:  # x ← A + s: the agreed step replaces this rank's own progress of that round
-            torch._foreach_add_(ps, b.views(self._slots[k].round_start))
+            torch._foreach_add_(ps, b.views(self._slots[k].progress))
+            torch._foreach_add_(b.views(self._slots[k].round_start), b.views(self._slots[k].anchor))
         else:
             self._update_residual(k, present)
 
@@ -373,9 +391,17 @@ class LocalDistributedLion(DistributedLion):
         self._tick()
         if self._round_ends():
             self._end_round()
+        elif self._stream_due():
+            self.flush()  # (waits for the exchange if it is still on the wire)
         if joined is not None:
             joined.wait()
         return loss
+
+    def _stream_due(self) -> bool:
+        """``stream_delay``: the round in flight has been on the wire for τ steps of this round."""
+        flight = self._in_flight
+        return (self.stream_delay is not None and flight is not None
+                and self.step_count - flight.step_no >= self.stream_delay)
 
     def _end_round(self) -> None:
         if self.streaming:

@@ -406,6 +406,11 @@ def _step_times(path: str, cfg: dict, workers: int, phase: str = "rounds") -> tu
     if vote and cfg.get("abstain_below", 0.0) != other.get("abstain_below", 0.0):
         raise SystemExit(f"dlion bench ttq: these curves were trained with --abstain-below {cfg.get('abstain_below', 0.0)}, "
                          f"{path} measured d-local-* with {other.get('abstain_below', 0.0)}: abstentions change the bytes")
+    if (any(m.endswith("-st") for m in vote) and phase == "rounds"
+            and cfg.get("stream_delay") != other.get("stream_delay")):
+        raise SystemExit(f"dlion bench ttq: these curves were trained with --stream-delay {cfg.get('stream_delay')}, "
+                         f"{path} timed the streamed vote with {other.get('stream_delay')}: the delay decides how much "
+                         "of the exchange hides behind compute")
     source = {}  # method trained here -> the e2e result timed at its H
     for m in local:
         want_h = 1 if phase == "warmup" else sync_every_of(m, cfg.get("sync_every", 10))
@@ -511,7 +516,7 @@ def main(argv: list[str]) -> int:
            "warmup_frac": args.warmup_frac, "methods": methods, "timeout": args.timeout, "synthetic": False,
            "sequential": True, "warmup": 0, "per_node": args.per_node, "sync_every": args.sync_every,
            "sync_warmup": args.sync_warmup, "abstain_below": args.abstain_below, "outer_scale": args.outer_scale,
-           "reset_momentum": args.reset_momentum,
+           "reset_momentum": args.reset_momentum, "stream_delay": args.stream_delay,
            "outer_lr": args.outer_lr,
            "nodes": args.workers // args.per_node if args.per_node else 0}
     if args.curves and args.extend:

@@ -114,7 +114,7 @@ PROFILE_RANGES = ("dlion.contribute", "dlion.exchange", "dlion.apply")
 
 
 def add_local_vote_args(ap) -> None:
-    """``--abstain-below TAU``, ``--outer-scale A`` and ``--reset-momentum`` for e2e and ttq alike (checked by
+    """``--abstain-below TAU``, ``--outer-scale A``, ``--reset-momentum`` and ``--stream-delay`` for e2e and ttq alike (checked by
     :func:`methods_from_args`)."""
     ap.add_argument("--abstain-below", type=float, default=0.0, metavar="TAU",
                     help="d-local-*: a rank abstains where its round's progress is below TAU times the round's summed "
@@ -125,11 +125,14 @@ def add_local_vote_args(ap) -> None:
     ap.add_argument("--reset-momentum", action="store_true",
                     help="d-local-*: every rank's Lion momentum back to 0 at each sync "
                          "(LocalDistributedLion(reset_momentum=True))")
+    ap.add_argument("--stream-delay", type=int, default=None, metavar="STEPS",
+                    help="d-local-*-st: apply the round in flight STEPS steps into the next round instead of at its "
+                         "end (LocalDistributedLion(stream_delay=STEPS)); default: at its end")
 
 
 def methods_from_args(ap, args) -> list[str]:
-    """``--methods`` parsed, ``--sync-every``, ``--abstain-below``, ``--outer-scale`` and ``--reset-momentum``
-    checked, or the parser's error (for e2e and ttq)."""
+    """``--methods`` parsed, ``--sync-every``, ``--abstain-below``, ``--outer-scale``, ``--reset-momentum`` and
+    ``--stream-delay`` checked, or the parser's error (for e2e and ttq)."""
     try:
         methods = parse_methods(args.methods)
     except ValueError as e:
@@ -145,6 +148,12 @@ def methods_from_args(ap, args) -> list[str]:
         ap.error("--outer-scale applies to the local vote only: add a d-local-* method to --methods")
     if args.reset_momentum and not local:
         ap.error("--reset-momentum applies to the local vote only: add a d-local-* method to --methods")
+    if args.stream_delay is not None:
+        if args.stream_delay < 1:
+            ap.error(f"--stream-delay must be >= 1, got {args.stream_delay}")
+        if not any(split_sync_every(m)[0].endswith("-st") for m in local):
+            ap.error("--stream-delay applies to the streamed local vote only: add d-local-mavo-st or d-local-avg-st "
+                     "to --methods")
     if args.abstain_below and not local:
         ap.error("--abstain-below applies to the local vote only: add d-local-mavo, d-local-mavo-st, d-local-avg or d-local-avg-st "
                  "to --methods")
@@ -418,6 +427,7 @@ class MethodRun:
                                       outer_scale=cfg.get("outer_scale", 1.0),
                                       reset_momentum=cfg.get("reset_momentum", False),
                                       streaming=method.endswith("-st"),
+                                      stream_delay=cfg.get("stream_delay") if method.endswith("-st") else None,
                                       bucket_cap_mb=cfg["bucket_mb"], fused=fused)
             self.opt.check_replicas()
         elif method in DILOCO:
