@@ -299,6 +299,34 @@ def test_across_seeds_keeps_the_local_vote_with_reset_momenta_apart():
     assert "Local D-Lion Avg 1bit (momenta reset at each sync): steps to L 700 / 750" in ttq_seeds.table(s)
 
 
+def test_across_seeds_keeps_outer_scales_and_stream_delays_apart():
+    """The local vote trained at two outer scales is a row per scale (one scale alone: no such key),
+    and streamed with --stream-delay a row per delay, each labelled so."""
+    from dlion.lab.bench import ttq_seeds
+
+    docs = []
+    for alpha, st in ((1.0, 900), (0.83, 780)):
+        for k in (0, 1):
+            d = _seed_doc(k, {"d-local-avg": (st + k, 2.0, {"1gbit": 10.0})})
+            d["config"]["outer_scale"] = alpha
+            docs.append(d)
+    s = ttq_seeds.summarize(docs)
+    assert list(s["methods"]) == ["d-local-avg|outer_scale=1", "d-local-avg|outer_scale=0.83"]
+    assert s["methods"]["d-local-avg|outer_scale=0.83"]["steps_to_target"] == [780, 781]
+    assert "Local D-Lion Avg 1bit (outer_scale 0.83): steps to L 780 / 781" in ttq_seeds.table(s)
+    assert list(ttq_seeds.summarize(docs[2:])["methods"]) == ["d-local-avg"]
+    docs = []
+    for delay, st in ((None, 800), (3, 790)):
+        for k in (0, 1):
+            d = _seed_doc(k, {"d-local-avg-st": (st + k, 2.0, {"1gbit": 10.0})})
+            d["config"]["stream_delay"] = delay
+            docs.append(d)
+    s = ttq_seeds.summarize(docs)
+    assert list(s["methods"]) == ["d-local-avg-st", "d-local-avg-st|stream_delay=3"]
+    assert ("Local D-Lion Avg 1bit streaming (applied 3 steps into the next round): steps to L 790 / 791"
+            in ttq_seeds.table(s))
+
+
 def test_across_seeds_keeps_each_h_apart_when_the_runs_were_trained_at_several():
     """The local vote trained at H = 25 and at H = 50, and DiLoCo at 100, each composed with one e2e
     run that timed all three (d-local-avg-h25, d-local-avg-h50, diloco-adamw-bf16-h100): one row per

@@ -10,7 +10,8 @@ Runs may also differ in ``--lr`` and ``--warmup-frac`` (each method at the setti
 it): a seed can then come in several files, and every (method, lr) is a row of its own, e.g.
 ``d-mavo-1bit-ov-rt@lr=0.0004`` (``…@lr=0.0001,warmup=0.1`` where the warm-ups differ); the local
 vote trained with ``--abstain-below`` τ is a row of its own (``…|abstain_below=0.5``), and so is
-it with ``--reset-momentum`` (``…|reset_momentum``). Methods that talk every H steps trained at
+it with ``--reset-momentum`` (``…|reset_momentum``), at each ``--outer-scale`` where the runs differ in it
+(``…|outer_scale=0.83``), and streamed with ``--stream-delay`` (``…|stream_delay=10``). Methods that talk every H steps trained at
 several H (each composed with one e2e run that timed them all, ``--methods d-local-avg-h25,…``) are
 a row per H (``d-local-avg-h25``). A (method, settings) given twice for one seed is refused.
 
@@ -83,6 +84,9 @@ def summarize(docs: list[dict]) -> dict:
     by_lr = by_warmup or len({_setting(d, "lr") for d in docs}) > 1
     # methods that talk every H steps, trained at several H: each H a row of its own, named <method>-h<H>
     by_h = len({_trained_h(d) for d in docs if any(talks_every_h(m) for m in d["composed"]["methods"])}) > 1
+    # the local vote trained at several outer scales: each α a row of its own
+    by_alpha = len({d["config"].get("outer_scale", 1.0) for d in docs
+                    if any(m.startswith("d-local") for m in d["composed"]["methods"])}) > 1
     rows_of: dict = {}  # (method key) -> {seed index: composed row}
     for d in docs:
         i = seeds.index(d["config"].get("seed"))
@@ -93,6 +97,10 @@ def summarize(docs: list[dict]) -> dict:
                 key += f",warmup={_setting(d, 'warmup_frac'):g}"
             if m.startswith("d-local") and d["config"].get("abstain_below", 0.0):  # another rule: a row of its own
                 key += f"|abstain_below={d['config']['abstain_below']:g}"
+            if m.startswith("d-local") and by_alpha:
+                key += f"|outer_scale={d['config'].get('outer_scale', 1.0):g}"
+            if m.startswith("d-local") and m.endswith("-st") and d["config"].get("stream_delay") is not None:
+                key += f"|stream_delay={d['config']['stream_delay']}"
             if m.startswith("d-local") and d["config"].get("reset_momentum"):
                 key += "|reset_momentum"
             if i in rows_of.setdefault(key, {}):
@@ -132,11 +140,15 @@ def label(key: str) -> str:
     from .e2e.methods import label as method_label
 
     key, reset, _ = key.partition("|reset_momentum")
+    key, _, delay = key.partition("|stream_delay=")
+    key, _, alpha = key.partition("|outer_scale=")
     key, _, tau = key.partition("|abstain_below=")
     m, _, lr = key.partition("@lr=")
     lr, _, warmup = lr.partition(",warmup=")
     settings = ([f"lr {lr}"] if lr else []) + ([f"warm-up {warmup}"] if warmup else []) + (
-        [f"abstain_below {tau}"] if tau else []) + (["momenta reset at each sync"] if reset else [])
+        [f"abstain_below {tau}"] if tau else []) + ([f"outer_scale {alpha}"] if alpha else []) + (
+        [f"applied {delay} steps into the next round"] if delay else []) + (
+        ["momenta reset at each sync"] if reset else [])
     return method_label(m) + (f" ({', '.join(settings)})" if settings else "")
 
 
