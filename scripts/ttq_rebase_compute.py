@@ -9,7 +9,7 @@ E_REF), per link, each ÷ the emulated speed-up of the compositions: what its wi
 on top of compute, on the other run's compute. Used for a method timed in another e2e run than the
 others (each run has a compute-only step of its own: the machine's speed drifts between runs).
 Prints and writes per seed and link the rebased time, the soonest other method and whether this one
-is first. ``--rebased-others`` adds
+is first (``--links``: only those rates). ``--rebased-others`` adds
 competitors moved the same way (this script's own outputs, e.g. DiLoCo at H = 100 from its e2e run).
 """
 
@@ -30,6 +30,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rebased-others", nargs="+", default=[], metavar="R",
                     help="outputs of this script (other methods already moved onto --ref's compute step)")
     ap.add_argument("--speedup", type=float, default=16.0)
+    ap.add_argument("--links", nargs="+", choices=list(LINKS), default=list(LINKS),
+                    help="only these rates (an --own run that timed only some); default all three")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     def ms(path):
@@ -43,12 +45,13 @@ def main(argv=None) -> int:
             others[f"{path}:{m}"] = r["time_to_target_s"]
     for path in a.rebased_others:
         doc = json.load(open(path))
-        if any(doc["links"][link]["ref_compute_ms"] != ref[("compute", raw)] for link, raw in LINKS.items()):
+        if any(doc["links"][link]["ref_compute_ms"] != ref[("compute", LINKS[link])] for link in a.links):
             raise SystemExit(f"{path} was moved onto another compute step than --ref's")
         others[f"{path}:{doc['command_inputs']['method']}"] = {
             link: [r["time_s"] for r in v["seeds"]] for link, v in doc["links"].items()}
     out = {"command_inputs": vars(a), "steps_to_target": steps, "links": {}}
-    for link, raw in LINKS.items():
+    for link in a.links:
+        raw = LINKS[link]
         step_ms = own[(a.e2e_method, raw)] - own[("compute", raw)] + ref[("compute", raw)]
         rows = []
         for i, n in enumerate(steps):

@@ -191,3 +191,12 @@ def test_ttq_rebase_compute_script_moves_a_method_onto_another_runs_compute_step
     rebased.write_text(rebased.read_text().replace('"ref_compute_ms": 10.0', '"ref_compute_ms": 11.0'))
     bad = subprocess.run(args, capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "another compute step" in bad.stderr
+    # --links: an own run that timed one rate only (the streamed vote, its delay chosen per rate)
+    paths["own"].write_text(json.dumps(e2e({("compute", "6250kbit"): 300.0, ("d-local-avg-st", "6250kbit"): 316.0})))
+    out3 = tmp_path / "out3.json"
+    subprocess.run([sys.executable, str(script), "--steps-json", str(paths["mine"]), "--method", "m|reset_momentum",
+                    "--e2e-method", "d-local-avg-st", "--own", str(paths["own"]), "--ref", str(paths["ref"]),
+                    "--others", str(paths["other"]), "--links", "100mbit", "--out", str(out3)],
+                   check=True, capture_output=True, timeout=60)
+    doc = json.loads(out3.read_text())
+    assert list(doc["links"]) == ["100mbit"] and doc["links"]["100mbit"]["step_ms"] == (316.0 - 300.0 + 160.0) / 16
