@@ -106,9 +106,9 @@ class LocalDistributedLion(DistributedLion):
             round's end. A round shorter than τ (``sync_warmup``) applies it at its end.
         reset_momentum: every rank's Lion momentum back to 0 at the end of every round, once the
             round's agreed step is applied (``streaming=True``: as this round's exchange leaves, once
-            the round in flight is applied, or earlier with ``stream_delay``), so that each round's local steps start from zero
-            momentum. No bits. Each rank's momentum otherwise carries the direction it took in one
-            round into the next, where the ranks then disagree more (docs/results.md, "The first syncs,
+            the round in flight is applied, or earlier with ``stream_delay``), so that each round's
+            local steps start from zero momentum. No bits. Each rank's momentum otherwise carries the
+            direction it took in one round into the next, where the ranks then disagree more (docs/results.md, "The first syncs,
             traced"). The rounds of ``sync_warmup`` reset too: those steps are sign descent on the
             gradient. On one rank (no rounds: plain Lion) nothing is reset.
         abstain_below: τ ≥ 0; a rank abstains where |e + A − x| < τ·S (module docstring). 0: never.
@@ -255,7 +255,8 @@ class LocalDistributedLion(DistributedLion):
             return WireState(up="ternary", down="ternary")
         return super()._new_wire(algorithm)
 
-    _digested = "lr, betas, weight_decay, maximize, sync_every, sync_warmup, abstain_below, reset_momentum or stream_delay"
+    _digested = ("lr, betas, weight_decay, maximize, sync_every, sync_warmup, abstain_below, reset_momentum "
+                 "or stream_delay")
 
     def _digest(self, group: dict) -> int:
         """The outer step α·S, β, weight decay and the round's options must agree on every rank (e.g. one

@@ -10,10 +10,10 @@ Runs may also differ in ``--lr`` and ``--warmup-frac`` (each method at the setti
 it): a seed can then come in several files, and every (method, lr) is a row of its own, e.g.
 ``d-mavo-1bit-ov-rt@lr=0.0004`` (``…@lr=0.0001,warmup=0.1`` where the warm-ups differ); the local
 vote trained with ``--abstain-below`` τ is a row of its own (``…|abstain_below=0.5``), and so is
-it with ``--reset-momentum`` (``…|reset_momentum``), at each ``--outer-scale`` where the runs differ in it
-(``…|outer_scale=0.83``), and streamed with ``--stream-delay`` (``…|stream_delay=10``). Methods that talk every H steps trained at
-several H (each composed with one e2e run that timed them all, ``--methods d-local-avg-h25,…``) are
-a row per H (``d-local-avg-h25``). A (method, settings) given twice for one seed is refused.
+it with ``--reset-momentum`` (``…|reset_momentum``), at each ``--outer-scale`` where the runs differ
+in it (``…|outer_scale=0.83``), and streamed with ``--stream-delay`` (``…|stream_delay=10``). Methods
+that talk every H steps trained at several H (each composed with one e2e run that timed them all,
+``--methods d-local-avg-h25,…``) are a row per H (``d-local-avg-h25``). A (method, settings) given twice for one seed is refused.
 
 Output in ``--out``: ``ttq_seeds.json``, ``ttq_seeds.txt`` and ``ttq_seeds.png`` (per link
 rate, each seed's time to L per method; "never" at the right edge).

@@ -114,8 +114,8 @@ PROFILE_RANGES = ("dlion.contribute", "dlion.exchange", "dlion.apply")
 
 
 def add_local_vote_args(ap) -> None:
-    """``--abstain-below TAU``, ``--outer-scale A``, ``--reset-momentum`` and ``--stream-delay`` for e2e and ttq alike (checked by
-    :func:`methods_from_args`)."""
+    """``--abstain-below TAU``, ``--outer-scale A``, ``--reset-momentum`` and ``--stream-delay`` for e2e and ttq
+    alike (checked by :func:`methods_from_args`)."""
     ap.add_argument("--abstain-below", type=float, default=0.0, metavar="TAU",
                     help="d-local-*: a rank abstains where its round's progress is below TAU times the round's summed "
                          "lr (LocalDistributedLion(abstain_below=TAU)); default 0")
