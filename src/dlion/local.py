@@ -59,7 +59,7 @@ _FORWARDED = ("vote", "ties", "process_group", "comm", "aggregate", "quant_norm"
 _NOT_APPLICABLE = {
     "overlap": "there is nothing to hide behind backward but one exchange per round (streaming=True hides it "
                "behind the next round).",
-    "delay": "streaming=True applies each round's vote one round later.",
+    "delay": "streaming=True applies each round's vote one round later (with stream_delay=τ, τ steps later).",
     "momentum_sync": "the momenta are never averaged (each rank's inner Lion keeps its own).",
     "sign_hook": "the vote is on the rounds' progress, not on the signs of a step.",
 }
