@@ -304,24 +304,22 @@ def test_across_seeds_keeps_outer_scales_and_stream_delays_apart():
     and streamed with --stream-delay a row per delay, each labelled so."""
     from dlion.lab.bench import ttq_seeds
 
-    docs = []
-    for alpha, st in ((1.0, 900), (0.83, 780)):
-        for k in (0, 1):
-            d = _seed_doc(k, {"d-local-avg": (st + k, 2.0, {"1gbit": 10.0})})
-            d["config"]["outer_scale"] = alpha
-            docs.append(d)
+    def seeds_at(method, setting, values):  # seeds 0 and 1 at each value of one setting, st + seed steps to L
+        docs = []
+        for value, st in values:
+            for k in (0, 1):
+                d = _seed_doc(k, {method: (st + k, 2.0, {"1gbit": 10.0})})
+                d["config"][setting] = value
+                docs.append(d)
+        return docs
+
+    docs = seeds_at("d-local-avg", "outer_scale", ((1.0, 900), (0.83, 780)))
     s = ttq_seeds.summarize(docs)
     assert list(s["methods"]) == ["d-local-avg|outer_scale=1", "d-local-avg|outer_scale=0.83"]
     assert s["methods"]["d-local-avg|outer_scale=0.83"]["steps_to_target"] == [780, 781]
     assert "Local D-Lion Avg 1bit (outer_scale 0.83): steps to L 780 / 781" in ttq_seeds.table(s)
     assert list(ttq_seeds.summarize(docs[2:])["methods"]) == ["d-local-avg"]
-    docs = []
-    for delay, st in ((None, 800), (3, 790)):
-        for k in (0, 1):
-            d = _seed_doc(k, {"d-local-avg-st": (st + k, 2.0, {"1gbit": 10.0})})
-            d["config"]["stream_delay"] = delay
-            docs.append(d)
-    s = ttq_seeds.summarize(docs)
+    s = ttq_seeds.summarize(seeds_at("d-local-avg-st", "stream_delay", ((None, 800), (3, 790))))
     assert list(s["methods"]) == ["d-local-avg-st", "d-local-avg-st|stream_delay=3"]
     assert ("Local D-Lion Avg 1bit streaming (applied 3 steps into the next round): steps to L 790 / 791"
             in ttq_seeds.table(s))

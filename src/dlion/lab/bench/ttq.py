@@ -406,7 +406,7 @@ def _step_times(path: str, cfg: dict, workers: int, phase: str = "rounds") -> tu
     if vote and cfg.get("abstain_below", 0.0) != other.get("abstain_below", 0.0):
         raise SystemExit(f"dlion bench ttq: these curves were trained with --abstain-below {cfg.get('abstain_below', 0.0)}, "
                          f"{path} measured d-local-* with {other.get('abstain_below', 0.0)}: abstentions change the bytes")
-    if (any(m.endswith("-st") for m in vote) and phase == "rounds"
+    if (any(split_sync_every(m)[0].endswith("-st") for m in vote) and phase == "rounds"
             and cfg.get("stream_delay") != other.get("stream_delay")):
         raise SystemExit(f"dlion bench ttq: these curves were trained with --stream-delay {cfg.get('stream_delay')}, "
                          f"{path} timed the streamed vote with {other.get('stream_delay')}: the delay decides how much "

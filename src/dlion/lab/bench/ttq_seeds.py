@@ -99,7 +99,7 @@ def summarize(docs: list[dict]) -> dict:
                 key += f"|abstain_below={d['config']['abstain_below']:g}"
             if m.startswith("d-local") and by_alpha:
                 key += f"|outer_scale={d['config'].get('outer_scale', 1.0):g}"
-            if m.startswith("d-local") and m.endswith("-st") and d["config"].get("stream_delay") is not None:
+            if split_sync_every(m)[0].endswith("-st") and d["config"].get("stream_delay") is not None:
                 key += f"|stream_delay={d['config']['stream_delay']}"
             if m.startswith("d-local") and d["config"].get("reset_momentum"):
                 key += "|reset_momentum"
