@@ -86,14 +86,24 @@ def reference(world, steps, H, vote="mavo", ef=True, alpha=1.0, dense=False, bat
     return anchors, xs
 
 
+def ends_fragment(n, H, warmup, f, P):
+    """Step n ends a round of fragment f of P: every step of the warm-up, then the steps n with
+    n − warmup = ⌊f·H/P⌋ + a multiple of H (fragment 0: every H-th; the others' first round is shorter)."""
+    offset = f * H // P
+    return n <= warmup or (n - warmup >= max(offset, 1) and (n - warmup - offset) % H == 0)
+
+
 def reference_streaming(world, steps, H, vote="mavo", ef=True, alpha=1.0, batches=None, warmup=0, reset=False,
-                        delay=None):
+                        delay=None, frag=None, P=1):
     """Streaming: round r's vote is applied at the end of round r + 1, replacing each worker's own
-    progress of round r; returns the anchor after each round's end and every worker's parameters
-    at the end (before any flush); ``reset``: every worker's momentum is 0 again at each round's end;
+    progress of round r; returns the anchor after every step that ends a round or applies one, and
+    every worker's parameters at the end (before any flush); ``reset``: every worker's momentum is 0 again at each round's end;
     ``delay``: round r's vote is applied ``delay`` steps after its end if round r + 1 is longer, and the
-    start of round r + 1 (from which its progress is measured) moves with the worker's parameters."""
+    start of round r + 1 (from which its progress is measured) moves with the worker's parameters.
+    ``frag[j]``: the fragment (of P) of parameter j; each fragment has its own rounds and S, and the
+    one exchange in flight is applied when the next (of any fragment) starts, or ``delay`` steps on."""
     x0 = init_params(0)
+    frag = frag or [0] * len(x0)
     anchor = [p.clone() for p in x0]
     xs = [[p.clone() for p in x0] for _ in range(world)]
     ms = [[torch.zeros_like(p) for p in x0] for _ in range(world)]
@@ -101,51 +111,55 @@ def reference_streaming(world, steps, H, vote="mavo", ef=True, alpha=1.0, batche
     starts = [[p.clone() for p in x0] for _ in range(world)]
     progress = [[torch.zeros_like(p) for p in x0] for _ in range(world)]
     touched = [[False] * len(x0) for _ in range(world)]
-    pending, S, anchors, sent = None, 0.0, {}, 0
+    S = [0.0] * P
+    pending, anchors, sent = None, {}, 0
+
+    def apply(pending):  # the agreed step replaces each worker's own progress of that round
+        delta, eta, active, js = pending
+        for j in js:
+            new = anchor[j] - eta * delta[j] if active[j] else anchor[j]
+            for i in range(world):
+                xs[i][j] = new + ((xs[i][j] - anchor[j]) + progress[i][j])
+                starts[i][j] = new + ((starts[i][j] - anchor[j]) + progress[i][j])
+            anchor[j] = new
+
     for t in range(steps):
-        S += LR
+        S = [s + LR for s in S]
         for i in range(world):
             for j, g in enumerate(worker_grads(i, t, False, batches)):
                 if g is not None:
                     xs[i][j], ms[i][j] = lion_literal(xs[i][j], ms[i][j], g, LR, BETAS, WD)
                     touched[i][j] = True
-        ends = ends_round(t + 1, H, warmup)
-        if not ends:
+        ending = [f for f in range(P) if ends_fragment(t + 1, H, warmup, f, P)]
+        js = [j for j in range(len(x0)) if frag[j] in ending]
+        if not ending:
             if pending is not None and delay is not None and t + 1 - sent >= delay:
-                delta, eta, active = pending
-                for j in range(len(x0)):
-                    new = anchor[j] - eta * delta[j] if active[j] else anchor[j]
-                    for i in range(world):
-                        xs[i][j] = new + ((xs[i][j] - anchor[j]) + progress[i][j])
-                        starts[i][j] = new + ((starts[i][j] - anchor[j]) + progress[i][j])
-                    anchor[j] = new
+                apply(pending)
                 pending = None
+                anchors[t + 1] = [a.clone() for a in anchor]
             continue
-        ds = [[starts[i][j] - xs[i][j] for j in range(len(x0))] for i in range(world)]
-        if pending is not None:  # the round in flight: the agreed step replaces each worker's own
-            delta, eta, active = pending
-            for j in range(len(x0)):
-                new = anchor[j] - eta * delta[j] if active[j] else anchor[j]
-                for i in range(world):
-                    xs[i][j] = new + ((xs[i][j] - anchor[j]) + progress[i][j])
-                anchor[j] = new
-        starts = [[x.clone() for x in xs[i]] for i in range(world)]
-        if reset:
-            ms = [[torch.zeros_like(p) for p in x0] for _ in range(world)]
-        delta, active = [], []
-        for j in range(len(x0)):
-            cs = [ds[i][j] + (es[i][j] if ef else 0) for i in range(world)]
+        ds = {j: [starts[i][j] - xs[i][j] for i in range(world)] for j in js}
+        if pending is not None:
+            apply(pending)
+        delta, active = {}, {}
+        for j in js:
+            cs = [ds[j][i] + (es[i][j] if ef else 0) for i in range(world)]
             signs = [torch.sign(c) if touched[i][j] else torch.zeros_like(c) for i, c in enumerate(cs)]
-            delta.append(torch.sign(sum(signs)))
-            active.append(any(touched[i][j] for i in range(world)))
+            delta[j] = torch.sign(sum(signs))
+            active[j] = any(touched[i][j] for i in range(world))
             for i in range(world):
-                progress[i][j] = ds[i][j]
+                starts[i][j] = xs[i][j].clone()
+                progress[i][j] = ds[j][i]
+                if reset:
+                    ms[i][j] = torch.zeros_like(ms[i][j])
                 if touched[i][j] and ef:
                     es[i][j] = cs[i] - cs[i].abs().mean() * torch.sign(cs[i])
-        pending, sent = (delta, alpha * S, active), t + 1
+                touched[i][j] = False
+        pending, sent = (delta, alpha * S[ending[0]], active, js), t + 1
+        assert all(S[f] == S[ending[0]] for f in ending)
+        for f in ending:
+            S[f] = 0.0
         anchors[t + 1] = [a.clone() for a in anchor]
-        touched = [[False] * len(x0) for _ in range(world)]
-        S = 0.0
     return anchors, xs
 
 
@@ -156,7 +170,7 @@ def local_worker(rank, world, configs):
         params = [p.requires_grad_() for p in init_params(rank)]
         opt = dlion.LocalDistributedLion(params, lr=LR, betas=BETAS, weight_decay=WD, sync_every=cfg["H"],
                                          sync_warmup=cfg.get("W", 0), streaming=cfg.get("streaming", False),
-                                         stream_delay=cfg.get("delay"),
+                                         stream_delay=cfg.get("delay"), fragments=cfg.get("P", 1),
                                          abstain_below=cfg.get("tau", 0.0), reset_momentum=cfg.get("reset", False),
                                          vote=cfg.get("vote", "mavo"), ties=cfg.get("ties", "zero"),
                                          comm=cfg.get("comm", "1bit"), error_feedback=cfg.get("ef", True),
@@ -167,13 +181,13 @@ def local_worker(rank, world, configs):
             for p, g in zip(params, grads_for(rank, t, cfg.get("dense", False))):
                 p.grad = g
             opt.step()
-            if ends_round(opt.step_count, cfg["H"], cfg.get("W", 0)):
-                if cfg.get("streaming"):
-                    with opt.anchored():
-                        synced[opt.step_count] = [p.detach().clone() for p in params]
-                else:
+            if cfg.get("streaming"):  # (the anchor after every step: it moves where a vote is applied)
+                with opt.anchored():
                     synced[opt.step_count] = [p.detach().clone() for p in params]
+            elif ends_round(opt.step_count, cfg["H"], cfg.get("W", 0)):
+                synced[opt.step_count] = [p.detach().clone() for p in params]
         out.append(dict(synced=synced, final=[p.detach().clone() for p in params],
+                        fragment=[opt.fragment_of(p) for p in params],
                         momenta=[opt.state[p]["exp_avg"].clone() for p in params],
                         stats=opt.comm_stats.state_dict(), step_count=opt.step_count))
     return out
@@ -219,7 +233,13 @@ STREAMING = [dict(H=3, steps=11, streaming=True), dict(H=1, steps=4, streaming=T
              dict(H=3, steps=11, streaming=True, reset=True), dict(H=2, steps=7, streaming=True, W=2, reset=True),
              # stream_delay: applied 1 (2) steps into rounds of 4 (one of 3 steps applies it at its end: = H)
              dict(H=4, steps=14, streaming=True, delay=1), dict(H=4, steps=13, streaming=True, delay=2, reset=True),
-             dict(H=3, steps=12, streaming=True, delay=3), dict(H=3, steps=11, streaming=True, W=2, delay=2, ef=False)]
+             dict(H=3, steps=12, streaming=True, delay=3), dict(H=3, steps=11, streaming=True, W=2, delay=2, ef=False),
+             # fragments (3 buckets at 0.01 MB: 5000, 94 and 17 coordinates): P exchanges per round of H
+             dict(H=4, steps=14, streaming=True, P=2, bucket_cap_mb=0.01),
+             dict(H=6, steps=15, streaming=True, P=3, delay=1, bucket_cap_mb=0.01),
+             dict(H=4, steps=13, streaming=True, P=2, W=2, reset=True, delay=1, bucket_cap_mb=0.01),
+             dict(H=5, steps=16, streaming=True, P=2, delay=3, ef=False, bucket_cap_mb=0.01),  # gaps of 2 and 3
+             dict(H=9, steps=22, streaming=True, P=3, delay=2, reset=True, bucket_cap_mb=0.01)]
 
 
 @pytest.mark.parametrize("world", [3, 4])
@@ -227,15 +247,28 @@ def test_streaming_equals_its_literal_reference(world):
     """streaming=True: round r's exchange runs during round r + 1 and its vote replaces each rank's own
     progress of round r at the end of round r + 1; anchors after every round's end and the local
     parameters at the end equal the reference bitwise on every rank; likewise with every rank's
-    momentum reset at each round's end (``reset_momentum``)."""
+    momentum reset at each round's end (``reset_momentum``), the vote applied ``stream_delay`` steps
+    on, and P fragments with rounds of their own (``fragments``)."""
     results = spawn(local_worker, world, STREAMING)
     for c, cfg in enumerate(STREAMING):
+        P = cfg.get("P", 1)
+        frag = results[0][c]["fragment"]
+        if P > 1:  # the layout: the last parameter (5000 coordinates, the first bucket) alone in fragment 0
+            assert frag[-1] == 0 and sorted(set(frag)) == list(range(P)), frag
+        else:
+            assert frag == [0] * len(frag)
         anchors, xs = reference_streaming(world, cfg["steps"], cfg["H"], ef=cfg.get("ef", True), warmup=cfg.get("W", 0),
-                                          reset=cfg.get("reset", False), delay=cfg.get("delay"))
-        if cfg.get("delay", cfg["H"]) < cfg["H"]:  # (the delay changes the trajectory: the comparison can tell)
+                                          reset=cfg.get("reset", False), delay=cfg.get("delay"), frag=frag, P=P)
+        offsets = [f * cfg["H"] // P for f in range(P)]
+        gap = min(b - a for a, b in zip(offsets, offsets[1:] + [cfg["H"]]))  # (steps between two exchanges)
+        if cfg.get("delay", gap) < gap:  # (the delay changes the trajectory: the comparison can tell)
             late, _ = reference_streaming(world, cfg["steps"], cfg["H"], ef=cfg.get("ef", True), warmup=cfg.get("W", 0),
-                                          reset=cfg.get("reset", False))
-            assert any(not torch.equal(a, b) for t in anchors for a, b in zip(anchors[t], late[t])), cfg
+                                          reset=cfg.get("reset", False), frag=frag, P=P)
+            assert any(not torch.equal(a, b) for t in anchors if t in late for a, b in zip(anchors[t], late[t])), cfg
+        if P > 1:  # (so do the fragments)
+            whole, _ = reference_streaming(world, cfg["steps"], cfg["H"], ef=cfg.get("ef", True),
+                                           warmup=cfg.get("W", 0), reset=cfg.get("reset", False), delay=cfg.get("delay"))
+            assert any(not torch.equal(a, b) for t in anchors if t in whole for a, b in zip(anchors[t], whole[t])), cfg
         for rank, res in enumerate(results):
             r = res[c]
             for t, want in anchors.items():
@@ -371,7 +404,8 @@ def test_abstentions_go_in_base_3_from_the_first_sync():
 
 
 # -- checkpoints ------------------------------------------------------------------------------
-def ckpt_worker(rank, world, path, phase, stop, total, streaming=False, reset=False, delay=None):
+def ckpt_worker(rank, world, path, phase, stop, total, streaming=False, reset=False, delay=None, fragments=1,
+                anchor=False):
     from dlion import checkpoint
     params = [p.requires_grad_() for p in init_params(rank)]
     model = torch.nn.Module()
@@ -379,7 +413,8 @@ def ckpt_worker(rank, world, path, phase, stop, total, streaming=False, reset=Fa
         model.register_parameter(f"p{j}", torch.nn.Parameter(p.detach().clone()))
     params = list(model.parameters())
     opt = dlion.LocalDistributedLion(model.named_parameters(), lr=LR, betas=BETAS, weight_decay=WD, sync_every=3,
-                                     comm="1bit", streaming=streaming, reset_momentum=reset, stream_delay=delay)
+                                     comm="1bit", streaming=streaming, reset_momentum=reset, stream_delay=delay,
+                                     fragments=fragments, bucket_cap_mb=0.01 if fragments > 1 else 25.0)
     start = 0
     if phase == "resume":
         info = checkpoint.load(path, model, opt)
@@ -392,6 +427,9 @@ def ckpt_worker(rank, world, path, phase, stop, total, streaming=False, reset=Fa
             before = [p.detach().clone() for p in params]
             checkpoint.save(path, model, opt, step=stop)
             assert all(torch.equal(a, b) for a, b in zip(before, params))  # saving changes nothing
+    if anchor:  # (the agreed parameters instead of this rank's local ones)
+        with opt.anchored():
+            return [p.detach().clone() for p in params], opt.step_count
     return [p.detach().clone() for p in params], opt.step_count
 
 
@@ -443,6 +481,61 @@ def test_stream_delay_checkpoint_resumes_bitwise(tmp_path, stop):
         assert any(not torch.equal(x, y) for x, y in zip(a, c))
 
 
+@pytest.mark.parametrize("stop", [7, 8])
+def test_fragments_checkpoint_resumes_bitwise_and_at_another_world_size(tmp_path, stop):
+    """fragments=2, rounds of 3: fragment 1's rounds end at steps 1, 4, 7, 10, fragment 0's at 3, 6, 9;
+    saved at step 7 (fragment 1's exchange just left) or 8 (still in flight, applied at step 9) the run
+    resumes bitwise; it differs from the run with the whole model at once; at another world size the
+    ranks agree."""
+    path = str(tmp_path / "ckpt.pt")
+    full = spawn(ckpt_worker, 3, path, "save", stop, 13, True, False, None, 2)
+    resumed = spawn(ckpt_worker, 3, path, "resume", stop, 13, True, False, None, 2)
+    whole = spawn(ckpt_worker, 3, str(tmp_path / "whole.pt"), "save", stop, 13, True)
+    for (a, n), (b, m), (c, _) in zip(full, resumed, whole):
+        assert n == m == 13 and all(torch.equal(x, y) for x, y in zip(a, b))
+        assert any(not torch.equal(x, y) for x, y in zip(a, c))
+    other = spawn(ckpt_worker, 2, path, "resume", stop, 12, True, False, None, 2, True)
+    assert all(torch.equal(x, y) for x, y in zip(other[0][0], other[1][0]))  # the anchors agree
+
+
+def fragment_bytes_worker(rank, world):
+    torch.manual_seed(0)
+    backbone, head = torch.nn.Linear(300, 300), torch.nn.Linear(300, 20)
+    tap = WireTap()
+    try:  # buckets at 0.1 MB: the head and the backbone's bias (6320), then the backbone's weight (90000)
+        opt = dlion.LocalDistributedLion(list(backbone.parameters()) + list(head.parameters()), lr=0.01,
+                                         sync_every=4, comm="1bit", ties="random", streaming=True, stream_delay=1,
+                                         fragments=2, bucket_cap_mb=0.1)
+        g = torch.Generator().manual_seed(rank)
+        sent_at = [tap.sent]
+        for _ in range(12):
+            opt.zero_grad()
+            head(backbone(torch.randn(4, 300, generator=g))).pow(2).mean().backward()
+            opt.step()  # (stream_delay=1: the exchange that left at step n is complete by the end of step n + 1)
+            sent_at.append(tap.sent)
+    finally:
+        tap.close()
+    return dict(sent_at=sent_at, fragment=[opt.fragment_of(p) for p in (backbone.weight, head.weight)])
+
+
+def test_fragments_send_their_own_part_at_staggered_steps():
+    """fragments=2, H = 4: fragment 0 (the first bucket: the head and the backbone's bias, the buckets
+    filled from the last parameter) is sent at steps 4, 8, 12, fragment 1 (the backbone's weight) at 2, 6,
+    10; each exchange carries 1 to 1.6 bits per coordinate of its own fragment each way (signs, or base-3
+    digits where a rank's two up and two down steps cancelled: an abstention), counted on
+    torch.distributed's calls: far below what one of the whole model would move."""
+    world = 3
+    r = spawn(fragment_bytes_worker, world)[0]
+    s = r["sent_at"]
+    assert r["fragment"] == [1, 0]  # (backbone.weight, head.weight)
+    sizes = {0: 300 * 20 + 20 + 300, 1: 300 * 300}
+    for step, f in ((6, 1), (8, 0), (10, 1)):  # (a first exchange may send a bucket twice: 1 bit, then base 3)
+        moved = s[step + 1] - s[step - 1]  # (the exchange of step n, complete by the end of step n + 1)
+        bound = 2 * sizes[f] / 8 * (world - 1) / world
+        assert bound <= moved <= 1.6 * 1.05 * bound + 2 * 64 * world, (step, f, moved, bound)
+    assert s[1] == s[0]  # step 1 ends no round
+
+
 # -- misuse ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, message", [
     (dict(sync_every=0), "sync_every"), (dict(sync_every=2.0), "sync_every"), (dict(outer_scale=0), "outer_scale"),
@@ -453,10 +546,37 @@ def test_stream_delay_checkpoint_resumes_bitwise(tmp_path, stop):
     (dict(reset_momentum=1), "reset_momentum"), (dict(reset_momentum=None), "reset_momentum"),
     (dict(stream_delay=2), "streaming=True"), (dict(streaming=True, stream_delay=0), "stream_delay"),
     (dict(streaming=True, stream_delay=True), "stream_delay"), (dict(streaming=True, stream_delay=2.0), "stream_delay"),
+    (dict(fragments=2), "streaming=True"), (dict(streaming=True, fragments=0), "fragments"),
+    (dict(streaming=True, fragments=True), "fragments"), (dict(streaming=True, fragments=2.0), "fragments"),
+    (dict(streaming=True, sync_every=3, fragments=4), "fragments=4 must be <= sync_every=3"),
 ])
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         dlion.LocalDistributedLion([torch.zeros(3, requires_grad=True)], **kwargs)
+
+
+def fragments_misuse_worker(rank, world, case):
+    params = [p.requires_grad_() for p in init_params(rank)]
+    kwargs = dict(sync_every=4, streaming=True)
+    if case == "buckets":  # at the default cap: two buckets (one per dtype)
+        kwargs["fragments"] = 3
+    else:  # one rank with its own fragments
+        kwargs["fragments"], kwargs["bucket_cap_mb"] = (2 if rank == 1 else 1), 0.01
+    try:
+        dlion.LocalDistributedLion(params, **kwargs)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("case, message", [
+    ("buckets", r"fragments=3 needs at least 3 buckets; the trainable parameters fill 2 .*lower bucket_cap_mb"),
+    ("ranks", r"disagree on the optimizer's options: fragments=2 on rank 1, 1 on rank 0"),
+])
+def test_fragments_refused_where_they_cannot_work(case, message):
+    import re
+    for msg in spawn(fragments_misuse_worker, 3, case):
+        assert msg is not None and re.search(message, msg), msg
 
 
 def test_without_process_group_it_is_plain_lion():

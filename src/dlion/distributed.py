@@ -87,10 +87,13 @@ class _InFlight:
 
 
 class _Step:
-    """The buckets of one step: which are issued, which are done."""
+    """The buckets of one step (``ks``: those it exchanges, in bucket order; default all): which are
+    issued, which are done. Per-bucket lists are indexed by bucket; ``issued`` and ``applied`` count
+    positions in ``ks``."""
 
-    def __init__(self, opt: "DistributedLion"):
-        self.pipeline = Pipeline(len(opt.buckets), opt._first, opt._second,
+    def __init__(self, opt: "DistributedLion", ks: Optional[tuple] = None):
+        self.ks = tuple(range(len(opt.buckets))) if ks is None else tuple(ks)
+        self.pipeline = Pipeline(len(self.ks), opt._first, opt._second,
                                  threaded=opt._threaded,
                                  device=opt.buckets[0].device if opt.buckets else None)
         self.present: list = [None] * len(opt.buckets)
@@ -103,11 +106,11 @@ class _Step:
         self.borrowed: list = [None] * len(opt.buckets)
         self.pending = [set(range(len(b.params))) for b in opt.buckets]
         self.seen: set = set()
-        self.issued = 0    # buckets 0 … issued−1 have their first collective in flight
+        self.issued = 0    # buckets ks[0] … ks[issued−1] have their first collective in flight
         self.stale = False  # a gradient was accumulated again after its bucket was sent
         #: per bucket, once its first collective is read: may every rank apply (no failure flag)?
-        self.flags_ok: list = [None] * len(opt.buckets)
-        self.applied = 0    # buckets 0 … applied−1 are applied (step() only, in bucket order)
+        self.flags_ok: list = [True if k not in self.ks else None for k in range(len(opt.buckets))]
+        self.applied = 0    # buckets ks[0] … ks[applied−1] are applied (step() only, in bucket order)
 
     def read_flags(self, k: int, out: Outcome) -> None:
         """Bucket k's failure flags are known (``Contribution.on_flags``; the exchange thread may call it)."""
@@ -115,11 +118,12 @@ class _Step:
 
 
 class _Settled:
-    """A step restored from a checkpoint whose Δ is not applied yet (``delay=1``)."""
+    """A step restored from a checkpoint whose Δ is not applied yet (``delay=1``, or a streamed round
+    of the buckets ``ks``); ``present`` per bucket."""
 
-    def __init__(self, buckets: int, present: list):
-        self.present, self.errors, self.applied = present, [None] * buckets, 0
-        self.borrowed = [None] * buckets
+    def __init__(self, present: list, ks: tuple):
+        self.present, self.errors, self.applied, self.ks = present, [None] * len(present), 0, ks
+        self.borrowed = [None] * len(present)
 
 
 class DistributedLion(DistributedBase):
@@ -351,8 +355,8 @@ class DistributedLion(DistributedBase):
         st = self._step
         ready, unread = [], False
         defer = in_hook and self.sign_hook is None  # (a sign hook's output is checked on the host)
-        while st.issued + len(ready) < len(self.buckets) and not st.pending[st.issued + len(ready)]:
-            k = st.issued + len(ready)
+        while st.issued + len(ready) < len(st.ks) and not st.pending[st.ks[st.issued + len(ready)]]:
+            k = st.ks[st.issued + len(ready)]
             with record_function("dlion.contribute"):
                 error = self._input_error(k)
                 made = self._local_values(k) if error is None else None
@@ -365,7 +369,7 @@ class DistributedLion(DistributedBase):
             self._issue(k, error, made, step_no)
 
     def _issue(self, k: int, error: Optional[Exception], made: Optional[Contributed], step_no: int) -> None:
-        """Bucket k's first collective (the buckets before it issued already)."""
+        """Bucket k's first collective (the step's buckets before it issued already)."""
         st = self._step
         with record_function("dlion.contribute"):
             contrib = self._contribution(k, step_no, error, made)
@@ -492,7 +496,8 @@ class DistributedLion(DistributedBase):
     def _pending_state(self) -> Optional[dict]:
         """The settled step not yet applied (delay=1), per parameter, so that a checkpoint taken
         between two steps loses nothing and resumes on any bucket layout: its codes (parameter
-        shape; None where no rank had a gradient), whether it is skipped, and the vote's divisor."""
+        shape; None where no rank had a gradient; only the parameters of the buckets it exchanged),
+        whether it is skipped, and the vote's divisor."""
         if self._in_flight is None:
             return None
         self.settle()
@@ -500,7 +505,7 @@ class DistributedLion(DistributedBase):
         if any(e is not None for e in st.errors) or any(o.bad or not o.digests_agree for o in outcomes):
             self.flush()  # raises on every rank, as the next step() would
         codes, has_grad = {}, {}
-        for b, o in zip(self.buckets, outcomes):
+        for b, o in zip((self.buckets[k] for k in st.ks), outcomes):
             for j, (i, off, n) in enumerate(zip(b.indices, b.offsets, b.sizes)):
                 has_grad[i] = bool(o.has_grad[j])
                 if has_grad[i] and o.codes is not None:
@@ -513,8 +518,13 @@ class DistributedLion(DistributedBase):
         next ``step()`` applies (bitwise the run that never stopped); otherwise (a resize) applied now."""
         step_no, codes = int(pending["step"]), pending["codes"]
         divisor = int(pending["divisor"])
+        saved = set(pending["has_grad"])  # the parameters of the buckets it exchanged
+        ks = tuple(k for k, b in enumerate(self.buckets) if saved & set(b.indices))
+        if any(not set(self.buckets[k].indices) <= saved for k in ks):
+            raise ValueError("the exchange in flight in this checkpoint covers part of a bucket only (it was saved "
+                             "with another bucket layout); resume with the bucket_cap_mb it was saved with.")
         outcomes = []
-        for b in self.buckets:
+        for b in (self.buckets[k] for k in ks):
             has = [bool(pending["has_grad"].get(i, False)) for i in b.indices]
             full = None
             if any(codes.get(i) is not None for i in b.indices) and not pending["skip"]:
@@ -525,12 +535,15 @@ class DistributedLion(DistributedBase):
                         full[off:off + n] = codes[i].reshape(-1).to(b.device)
             outcomes.append(Outcome(full, torch.tensor(has, dtype=torch.bool),
                                     nonfinite=int(bool(pending["skip"]))))
-        settled = _Settled(len(self.buckets), [o.has_grad.tolist() for o in outcomes])
+        present = [[False] * len(b.params) for b in self.buckets]
+        for k, o in zip(ks, outcomes):
+            present[k] = o.has_grad.tolist()
+        settled = _Settled(present, ks)
         if divisor == (self.world_size if self.rule.vote == "avg" else 1):
             self._in_flight = _InFlight(step_no, settled, outcomes)
             return
         # another world size with vote="avg": the codes are sums over the saved ranks; apply them now
-        for b, o in zip(self.buckets, outcomes):
+        for b, o in zip((self.buckets[k] for k in ks), outcomes):
             if o.codes is not None and bool(o.has_grad.any()):
                 group = b.group
                 scaled = o.codes[:b.numel].to(b.dtype).div_(divisor).mul_(group["lr"])
@@ -547,9 +560,9 @@ class DistributedLion(DistributedBase):
             return
         flights = st.pipeline.flights
         while st.applied < len(flights) and flights[st.applied].outcome is not None:
-            k = st.applied
+            k = st.ks[st.applied]
             with record_function("dlion.apply"):
-                self._apply(k, self.buckets[k], flights[k].outcome, st.present[k], st.borrowed[k])
+                self._apply(k, self.buckets[k], flights[st.applied].outcome, st.present[k], st.borrowed[k])
             st.applied += 1
 
     def _scaled_step(self, closure, scaler):
@@ -584,8 +597,8 @@ class DistributedLion(DistributedBase):
 
     def _finish(self, step_no: int, st: _Step, outcomes: list[Outcome]) -> None:
         """Apply Δ and update momenta — or, if any rank failed, change nothing anywhere."""
-        for s, o in zip(self._slots, outcomes):
-            s.left_out.update(o.has_grad)
+        for k, o in zip(st.ks, outcomes):
+            self._slots[k].left_out.update(o.has_grad)
         self.comm_stats.add_tallies([o.tally for o in outcomes if o.tally is not None])
         if st.applied and any(o.failed for o in outcomes):  # the flags are read before any bucket is applied
             raise RuntimeError("DistributedLion: internal error: buckets applied in a failed step")
@@ -595,8 +608,8 @@ class DistributedLion(DistributedBase):
                        nonfinite=any(o.nonfinite for o in outcomes),
                        nonfinite_ranks=[r for o in outcomes for r in o.ranks_nonfinite]):
             return
-        for k in range(st.applied, len(self.buckets)):
-            self._apply(k, self.buckets[k], outcomes[k], st.present[k], st.borrowed[k])
+        for k, o in zip(st.ks[st.applied:], outcomes[st.applied:]):
+            self._apply(k, self.buckets[k], o, st.present[k], st.borrowed[k])
         self._count_step()
         if step_no == 0:
             self._warn_if_gradients_identical()

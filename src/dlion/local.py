@@ -21,7 +21,11 @@ coordinates it moved less than τ·S (its residual included): where its steps re
 the round. A full ±α·S there is what sets training back when the ranks' steps start to
 oscillate (docs/results.md, "Why the local vote stalls on some seeds"). Abstentions scattered over a bucket
 travel as base-3 digits (1.6 bits instead of 1, each way). Without error feedback s_i = sign(A − x_i) and
-e_i stays 0. Bytes: what one :class:`DistributedLion` step of the same
+e_i stays 0.
+
+With ``streaming=True`` a round's exchange runs behind the next local steps and its vote is applied
+later (``stream_delay``); with ``fragments=P`` each of P parts of the model has its own rounds,
+ending at staggered steps, so that an exchange of 1/P of the bytes leaves every H/P steps. Bytes: what one :class:`DistributedLion` step of the same
 algorithm moves, once per round (``comm_stats`` counts every step, so
 ``bits_per_param_per_step`` is the amortised figure): for ``comm="1bit"`` at
 N = 4, about 1.52/H bits per parameter sent per step (random ties) and 1.96/H
@@ -65,6 +69,32 @@ _NOT_APPLICABLE = {
 }
 
 
+def split_fragments(sizes: list[int], parts: int) -> list[tuple]:
+    """``parts`` contiguous runs of the buckets (``sizes``: their numels), none empty, the largest as
+    small as it can be (the smallest cap that a greedy fill, keeping a bucket for each run still to
+    open, meets in ``parts`` runs)."""
+
+    def fill(cap: int) -> list[list[int]]:
+        runs: list[list[int]] = [[]]
+        total = 0
+        for i, n in enumerate(sizes):
+            if runs[-1] and (total + n > cap or len(sizes) - i <= parts - len(runs)):
+                runs.append([])
+                total = 0
+            runs[-1].append(i)
+            total += n
+        return runs
+
+    lo, hi = max(sizes), sum(sizes)
+    while lo < hi:  # (more cap never needs more runs)
+        mid = (lo + hi) // 2
+        if len(fill(mid)) <= parts:
+            hi = mid
+        else:
+            lo = mid + 1
+    return [tuple(run) for run in fill(lo)]
+
+
 @dataclass
 class LocalBucket(FlatBucket):
     """A bucket of :class:`LocalDistributedLion`: the flat record, plus the anchor (parameter dtype,
@@ -103,7 +133,14 @@ class LocalDistributedLion(DistributedLion):
             next round instead of at its end (Streaming DiLoCo's overlap τ, arXiv 2501.18512): the ranks
             then carry their own unagreed progress for τ steps, not a whole round, and the exchange
             must fit in τ steps of compute to stay hidden. None (default) or τ ≥ H: at the next
-            round's end. A round shorter than τ (``sync_warmup``) applies it at its end.
+            round's end. A round shorter than τ (``sync_warmup``) applies it at its end; with
+            ``fragments``, the next exchange (of any fragment) applies it if that comes first.
+        fragments: P ≥ 1, with ``streaming=True``: the buckets split into P contiguous fragments of
+            about equal size, each with its own rounds of H, fragment f's ending ⌊f·H/P⌋ steps after
+            fragment 0's (Streaming DiLoCo's fragments, arXiv 2501.18512): an exchange every H/P
+            steps, each of 1/P of the bytes, so that a short ``stream_delay`` still hides it on a
+            slow link. Needs at least P buckets (``bucket_cap_mb``); :meth:`fragment_of` tells
+            which parameter is in which. 1 (default): the whole model at once.
         reset_momentum: every rank's Lion momentum back to 0 at the end of every round, once the
             round's agreed step is applied (``streaming=True``: as this round's exchange leaves, once
             the round in flight is applied, or earlier with ``stream_delay``), so that each round's
@@ -145,6 +182,7 @@ class LocalDistributedLion(DistributedLion):
         error_feedback: bool = True,
         streaming: bool = False,
         stream_delay: Optional[int] = None,
+        fragments: int = 1,
         reset_momentum: bool = False,
         abstain_below: float = 0.0,
         **options,
@@ -171,6 +209,14 @@ class LocalDistributedLion(DistributedLion):
             if not streaming:
                 raise ValueError("stream_delay applies to streaming=True (the round in flight is applied that many "
                                  "steps into the next round); without streaming each round is applied at its end")
+        if not isinstance(fragments, int) or isinstance(fragments, bool) or fragments < 1:
+            raise ValueError(f"fragments must be an int >= 1, got {fragments!r}")
+        if fragments > 1 and not streaming:
+            raise ValueError("fragments apply to streaming=True (each fragment's exchange runs behind the local steps "
+                             "that follow it); without streaming every exchange blocks, in one piece or in many")
+        if fragments > sync_every:
+            raise ValueError(f"fragments={fragments} must be <= sync_every={sync_every}: the fragments' rounds end "
+                             "at distinct steps of each round of H")
         if not isinstance(reset_momentum, bool):
             raise ValueError(f"reset_momentum must be True or False, got {reset_momentum!r}")
         if (not isinstance(abstain_below, (int, float)) or isinstance(abstain_below, bool)
@@ -182,15 +228,23 @@ class LocalDistributedLion(DistributedLion):
         self.sync_every, self.outer_scale, self.error_feedback = sync_every, float(outer_scale), error_feedback
         self.sync_warmup, self.abstain_below = sync_warmup, float(abstain_below)
         self.reset_momentum = reset_momentum
-        self.stream_delay = stream_delay
+        self.stream_delay, self.fragments = stream_delay, fragments
         self.streaming = streaming  # (read by DistributedLion.__init__: the exchange gets a thread and a group)
         super().__init__(params, lr, betas, weight_decay, **options)
-        #: per parameter group: S, the lr summed over the round's steps so far
-        self._round_lr = [0.0] * len(self.param_groups)
+        if self.world_size > 1 and fragments > len(self.buckets):
+            raise ValueError(f"fragments={fragments} needs at least {fragments} buckets; the trainable parameters fill "
+                             f"{len(self.buckets)} at bucket_cap_mb={options.get('bucket_cap_mb', 25.0)!r}: lower "
+                             "bucket_cap_mb (about the model's fp32 MB / fragments)")
+        #: per fragment: its buckets (contiguous, of about equal size)
+        self._fragment_buckets = split_fragments([b.numel for b in self.buckets], fragments) if self.buckets else []
+        self._fragment_of = {k: f for f, ks in enumerate(self._fragment_buckets) for k in ks}
+        #: per fragment, per parameter group: S, the lr summed over the fragment's round so far
+        self._round_lr = [[0.0] * len(self.param_groups) for _ in range(fragments)]
         #: per parameter group: S of the round being exchanged (its outer step is α·S)
         self._flight_lr = [0.0] * len(self.param_groups)
-        self._round_error: Optional[Exception] = None
-        self._round_nonfinite = False
+        #: per fragment: an invalid gradient, or a skipped non-finite step, since its round started
+        self._round_error: list[Optional[Exception]] = [None] * fragments
+        self._round_nonfinite = [False] * fragments
         for s in self._slots:
             b = s.bucket
             s.anchor, s.residual, s.touched = b.flat(b.params[0].dtype), b.flat(), [False] * len(b.params)
@@ -212,7 +266,7 @@ class LocalDistributedLion(DistributedLion):
         return {**super()._options(), "sync_every": self.sync_every, "sync_warmup": self.sync_warmup,
                 "outer_scale": self.outer_scale, "abstain_below": self.abstain_below,
                 "error_feedback": self.error_feedback, "streaming": self.streaming, "stream_delay": self.stream_delay,
-                "reset_momentum": self.reset_momentum}
+                "fragments": self.fragments, "reset_momentum": self.reset_momentum}
 
     def _accepts_kind(self, kind: str) -> bool:
         return kind == "local" or (kind == "flat" and self.world_size == 1)  # (one rank saves no round state)
@@ -225,9 +279,22 @@ class LocalDistributedLion(DistributedLion):
         n, w = self.step_count, self.sync_warmup
         return n if n <= w else w + (n - w) // self.sync_every
 
-    def _round_ends(self) -> bool:
-        n, w = self.step_count, self.sync_warmup
-        return n <= w or (n - w) % self.sync_every == 0
+    def _ending(self) -> list[int]:
+        """The fragments whose round ends at this step: all during the warm-up, then fragment f at
+        the steps n with n − w ≡ ⌊f·H/P⌋ (mod H), so that each round of H has P exchanges, evenly spread."""
+        n, w, H, P = self.step_count, self.sync_warmup, self.sync_every, self.fragments
+        if n <= w:
+            return list(range(P))
+        return [f for f in range(P) if (n - w - f * H // P) % H == 0 and n - w >= max(1, f * H // P)]
+
+    def fragment_of(self, p: Tensor) -> int:
+        """The fragment (0 … fragments − 1) whose exchanges carry parameter ``p`` (0 on one rank)."""
+        for k, b in enumerate(self.buckets):
+            if any(q is p for q in b.params):
+                return self._fragment_of[k]
+        if self.world_size == 1 or any(q is p for q in self._params):
+            return 0
+        raise ValueError("fragment_of: not a parameter of this optimizer")
 
     def _tick(self) -> None:
         self.step_count += 1
@@ -255,22 +322,23 @@ class LocalDistributedLion(DistributedLion):
             return WireState(up="ternary", down="ternary")
         return super()._new_wire(algorithm)
 
-    _digested = ("lr, betas, weight_decay, maximize, sync_every, sync_warmup, abstain_below, reset_momentum "
-                 "or stream_delay")
+    _digested = ("lr, betas, weight_decay, maximize, sync_every, sync_warmup, abstain_below, reset_momentum, "
+                 "stream_delay or fragments")
 
     def _digest(self, group: dict) -> int:
         """The outer step α·S, β, weight decay and the round's options must agree on every rank (e.g. one
         rank's lr schedule ahead, or ``sync_every`` changed on one rank: its rounds end elsewhere;
-        ``reset_momentum`` or ``stream_delay`` changed on one rank: the anchor would stay identical, its training
-        would not)."""
+        ``reset_momentum``, ``stream_delay`` or ``fragments`` changed on one rank: the anchor would stay identical,
+        its training would not)."""
         b1, b2 = group["betas"]
-        raw = struct.pack("<ddddd?qqd?q", self._outer_lr(group), float(b1), float(b2), float(group["weight_decay"]),
+        raw = struct.pack("<ddddd?qqd?qq", self._outer_lr(group), float(b1), float(b2), float(group["weight_decay"]),
                           float(group["lr"]), bool(group["maximize"]), int(self.sync_every), int(self.sync_warmup),
-                          float(self.abstain_below), bool(self.reset_momentum), int(self.stream_delay or 0))
+                          float(self.abstain_below), bool(self.reset_momentum), int(self.stream_delay or 0),
+                          int(self.fragments))
         return zlib.crc32(raw) & 0x7FFFFFFF
 
     def _input_error(self, k: int) -> Optional[Exception]:
-        return self._round_error
+        return self._round_error[self._fragment_of[k]]
 
     def _local_values(self, k: int) -> Contributed:
         """s = sign(e + A − x) (or Lion Cub's q of it) for the parameters this rank touched; e + A − x
@@ -286,10 +354,11 @@ class LocalDistributedLion(DistributedLion):
             self._slots[k].progress.copy_(c)  # (its own progress, replaced by the agreed step one round later)
         if self.error_feedback:
             c.add_(self._slots[k].residual)
+        skipped = self._round_nonfinite[self._fragment_of[k]]
         if c.device.type != "cpu":  # the flag stays on the device, read with the other buckets' (read_flags)
-            finite = torch.zeros((), dtype=torch.bool, device=c.device) if self._round_nonfinite else finite_flag(c)
+            finite = torch.zeros((), dtype=torch.bool, device=c.device) if skipped else finite_flag(c)
         else:
-            finite = all_finite(c) and not self._round_nonfinite
+            finite = all_finite(c) and not skipped
         out = values[:b.numel]
         if self.aggregate == "quantized":
             for j, (o, n) in enumerate(zip(b.offsets, b.sizes)):
@@ -307,11 +376,13 @@ class LocalDistributedLion(DistributedLion):
             return Contributed(values, present, finite, _SIGNS.encode(values), b.numel - torch.count_nonzero(out))
         return Contributed(values, present, finite)
 
-    def _measure_progress(self, origin: list[Tensor]) -> None:
-        """d = origin − x per bucket, in the work dtype, into each bucket's gradient buffer."""
-        for k, b in enumerate(self.buckets):
+    def _measure_progress(self, ks, origin: str) -> None:
+        """d = origin − x for the buckets ``ks``, in the work dtype, into each one's gradient buffer
+        (``origin``: the slot's "anchor" or "round_start")."""
+        for k in ks:
+            b = self.buckets[k]
             xs = [p.detach() for p in b.params]
-            starts = b.views(origin[k])
+            starts = b.views(getattr(self._slots[k], origin))
             if b.low_precision:
                 xs, starts = [x.float() for x in xs], [a.float() for a in starts]
             views = self._slots[k].buffers.grad_views
@@ -390,8 +461,9 @@ class LocalDistributedLion(DistributedLion):
         self._check_frozen()
         self._inner_step(skip=skip)
         self._tick()
-        if self._round_ends():
-            self._end_round()
+        ending = self._ending()
+        if ending:
+            self._end_round(ending)
         elif self._stream_due():
             self.flush()  # (waits for the exchange if it is still on the wire)
         if joined is not None:
@@ -404,45 +476,50 @@ class LocalDistributedLion(DistributedLion):
         return (self.stream_delay is not None and flight is not None
                 and self.step_count - flight.step_no >= self.stream_delay)
 
-    def _end_round(self) -> None:
+    def _end_round(self, ending: list[int]) -> None:
         if self.streaming:
-            self._stream_round()
+            self._stream_round(ending)
         else:
             self._sync_round()
-        if self.check_every and self._rounds_done() % self.check_every == 0:
+        if 0 in ending and self.check_every and self._rounds_done() % self.check_every == 0:
             self.check_replicas()
 
-    def _zero_momenta(self) -> None:
-        """``reset_momentum``: the next round's local steps start from zero momentum."""
-        if self.reset_momentum:
-            for s in self._slots:
-                s.buffers.momentum.zero_()
+    def _buckets_of(self, fragments: list[int]) -> tuple:
+        return tuple(k for f in fragments for k in self._fragment_buckets[f])
 
-    def _reset_round(self) -> None:
-        """The next round starts: no lr summed, nothing touched, no error recorded."""
-        self._round_lr = [0.0] * len(self.param_groups)
-        for s in self._slots:
-            s.touched = [False] * len(s.bucket.params)
-        self._round_error, self._round_nonfinite = None, False
+    def _zero_momenta(self, ks) -> None:
+        """``reset_momentum``: the next round's local steps start from zero momentum (buckets ``ks``)."""
+        if self.reset_momentum:
+            for k in ks:
+                self._slots[k].buffers.momentum.zero_()
+
+    def _reset_round(self, fragments: list[int]) -> None:
+        """The fragments' next round starts: no lr summed, nothing touched, no error recorded."""
+        for f in fragments:
+            self._round_lr[f] = [0.0] * len(self.param_groups)
+            self._round_error[f], self._round_nonfinite[f] = None, False
+        for k in self._buckets_of(fragments):
+            self._slots[k].touched = [False] * len(self.buckets[k].params)
 
     def _inner_step(self, skip: bool = False) -> None:
         """One local Lion step on this rank's parameters, unless its gradients are invalid or non-finite."""
         grads = [p.grad for p in self._params if p.grad is not None]
         for i, group in enumerate(self.param_groups):
-            self._round_lr[i] += float(group["lr"])
-        if self._round_error is None:
+            for sums in self._round_lr:
+                sums[i] += float(group["lr"])
+        if None in self._round_error:
             for i, p in enumerate(self._params):
                 try:
                     check_grad(i, p)
                 except ValueError as e:
-                    self._round_error = e
+                    self._round_error = [e if r is None else r for r in self._round_error]
                     return
         if skip or (grads and not bool(torch.isfinite(torch.stack(
                 [torch.stack(torch.aminmax(g.reshape(-1).float())) for g in grads if g.numel()] or
                 [torch.zeros(2)])).all())):
             self.skipped_steps += 1
             if self.nonfinite == "raise":
-                self._round_nonfinite = True
+                self._round_nonfinite = [True] * self.fragments
             return
         Lion.step(self)
         for k, b in enumerate(self.buckets):
@@ -452,37 +529,42 @@ class LocalDistributedLion(DistributedLion):
                     t[j] = True
 
     def _sync_round(self) -> None:
-        skipped = self.skipped_steps
-        self._flight_lr = list(self._round_lr)
+        skipped, every = self.skipped_steps, range(len(self.buckets))
+        self._flight_lr = list(self._round_lr[0])
         try:
-            self._measure_progress([s.anchor for s in self._slots])
+            self._measure_progress(every, "anchor")
             self._exchange(self.step_count)
         finally:
-            self._reset_round()
-        self._zero_momenta()  # (not where the exchange raised: nothing of the round was applied)
+            self._reset_round([0])
+        self._zero_momenta(every)  # (not where the exchange raised: nothing of the round was applied)
         if self.skipped_steps != skipped:
             # (only a non-finite residual gets here): every rank restarts the round from the anchor
             for k, b in enumerate(self.buckets):
                 torch._foreach_copy_([p.detach() for p in b.params], b.views(self._slots[k].anchor))
                 self._slots[k].residual.nan_to_num_(0.0, 0.0, 0.0)
 
-    def _stream_round(self) -> None:
-        """Streaming: this round's progress is measured, the round in flight is applied (its Δ was
-        exchanged during this round), and this round's exchange starts on the exchange thread."""
-        self._measure_progress([s.round_start for s in self._slots])
+    def _stream_round(self, ending: list[int]) -> None:
+        """Streaming: the progress of the fragments whose round ends is measured, the round in flight
+        is applied (its Δ was exchanged since), and these fragments' exchange starts on the exchange thread."""
+        ks = self._buckets_of(ending)
+        self._measure_progress(ks, "round_start")
         self.flush()
-        self._zero_momenta()
-        for k, b in enumerate(self.buckets):  # the next round starts here
+        self._zero_momenta(ks)
+        for k in ks:  # their next round starts here
+            b = self.buckets[k]
             torch._foreach_copy_(b.views(self._slots[k].round_start), [p.detach() for p in b.params])
-        self._flight_lr = list(self._round_lr)
-        st = self._step = _Step(self)
+        sums = {tuple(self._round_lr[f]) for f in ending}  # (several end together only in the warm-up: equal S)
+        if len(sums) != 1:
+            raise RuntimeError("LocalDistributedLion: internal error: fragments ending together with another S")
+        self._flight_lr = list(sums.pop())
+        st = self._step = _Step(self, ks)
         try:
             for pending in st.pending:
                 pending.clear()
             self._issue_ready(self.step_count)
         finally:
             self._step = None
-            self._reset_round()
+            self._reset_round(ending)
         self._in_flight = _InFlight(self.step_count, st)
 
     def _finish(self, step_no, st, outcomes) -> None:
@@ -549,10 +631,10 @@ class LocalDistributedLion(DistributedLion):
                     local = held[k][j] if held is not None else p.detach()
                     sd["state"].setdefault(ids[id(p)], {})["local_param"] = local.clone()
             sd["dlion"]["local"] = {"sync_every": self.sync_every, "sync_warmup": self.sync_warmup,
-                                    "round_lr": list(self._round_lr),
+                                    "round_lr": [list(r) for r in self._round_lr], "fragments": self.fragments,
                                     "flight_lr": list(self._flight_lr), "streaming": self.streaming,
                                     "touched": [list(s.touched) for s in self._slots],
-                                    "round_nonfinite": self._round_nonfinite}
+                                    "round_nonfinite": list(self._round_nonfinite)}
         return sd
 
     def load_state_dict(self, state_dict: dict, *, from_rank: str = "own") -> None:
@@ -563,6 +645,10 @@ class LocalDistributedLion(DistributedLion):
             return super().load_state_dict(state_dict, from_rank=from_rank)
         self.check_state_dict(state_dict, from_rank=from_rank)  # (before reading it)
         extra = state_dict["dlion"]
+        saved_fragments = int(extra.get("local", {}).get("fragments", 1))
+        if saved_fragments != self.fragments:
+            raise ValueError(f"LocalDistributedLion: this state was saved with fragments={saved_fragments}; resume "
+                             f"with the same (this optimizer has fragments={self.fragments}: its rounds end elsewhere)")
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         saved = {}  # before torch.optim casts them to the parameter's dtype
         for p, pid in zip(self._params, ids):
@@ -595,8 +681,11 @@ class LocalDistributedLion(DistributedLion):
                         dv.zero_()
                     self.state[p]["round_start"], self.state[p]["progress_in_flight"] = sv, dv
         local = extra["local"]
-        if len(local.get("round_lr", [])) == len(self._round_lr):
-            self._round_lr = [float(x) for x in local["round_lr"]]
+        round_lr = local.get("round_lr", [])
+        if round_lr and not isinstance(round_lr[0], (list, tuple)):  # (saved before fragments: one round)
+            round_lr = [round_lr]
+        if [len(r) for r in round_lr] == [len(r) for r in self._round_lr]:
+            self._round_lr = [[float(x) for x in r] for r in round_lr]
             self._flight_lr = [float(x) for x in local.get("flight_lr", self._flight_lr)]
         touched = local.get("touched") or []
         if [len(t) for t in touched] == [len(b.params) for b in self.buckets]:
@@ -605,4 +694,7 @@ class LocalDistributedLion(DistributedLion):
         else:  # another layout: every parameter counts as touched (a zero residual and x = A abstain anyway)
             for s in self._slots:
                 s.touched = [True] * len(s.bucket.params)
-        self._round_nonfinite = bool(local.get("round_nonfinite", False))
+        flags = local.get("round_nonfinite", False)
+        self._round_nonfinite = ([bool(x) for x in flags] if isinstance(flags, (list, tuple)) and
+                                 len(flags) == self.fragments else [bool(flags) if not isinstance(flags, (list, tuple))
+                                                                    else any(flags)] * self.fragments)

@@ -411,6 +411,11 @@ def _step_times(path: str, cfg: dict, workers: int, phase: str = "rounds") -> tu
         raise SystemExit(f"dlion bench ttq: these curves were trained with --stream-delay {cfg.get('stream_delay')}, "
                          f"{path} timed the streamed vote with {other.get('stream_delay')}: the delay decides how much "
                          "of the exchange hides behind compute")
+    if (any(split_sync_every(m)[0].endswith("-st") for m in vote) and phase == "rounds"
+            and cfg.get("fragments", 1) != other.get("fragments", 1)):
+        raise SystemExit(f"dlion bench ttq: these curves were trained with --fragments {cfg.get('fragments', 1)}, "
+                         f"{path} timed the streamed vote with {other.get('fragments', 1)}: the fragments decide how "
+                         "much of the exchange hides behind compute")
     source = {}  # method trained here -> the e2e result timed at its H
     for m in local:
         want_h = 1 if phase == "warmup" else sync_every_of(m, cfg.get("sync_every", 10))
@@ -516,7 +521,7 @@ def main(argv: list[str]) -> int:
            "warmup_frac": args.warmup_frac, "methods": methods, "timeout": args.timeout, "synthetic": False,
            "sequential": True, "warmup": 0, "per_node": args.per_node, "sync_every": args.sync_every,
            "sync_warmup": args.sync_warmup, "abstain_below": args.abstain_below, "outer_scale": args.outer_scale,
-           "reset_momentum": args.reset_momentum, "stream_delay": args.stream_delay,
+           "reset_momentum": args.reset_momentum, "stream_delay": args.stream_delay, "fragments": args.fragments,
            "outer_lr": args.outer_lr,
            "nodes": args.workers // args.per_node if args.per_node else 0}
     if args.curves and args.extend:

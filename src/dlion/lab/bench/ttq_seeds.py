@@ -11,7 +11,8 @@ it): a seed can then come in several files, and every (method, lr) is a row of i
 ``d-mavo-1bit-ov-rt@lr=0.0004`` (``…@lr=0.0001,warmup=0.1`` where the warm-ups differ); the local
 vote trained with ``--abstain-below`` τ is a row of its own (``…|abstain_below=0.5``), and so is
 it with ``--reset-momentum`` (``…|reset_momentum``), at each ``--outer-scale`` where the runs differ
-in it (``…|outer_scale=0.83``), and streamed with ``--stream-delay`` (``…|stream_delay=10``). Methods
+in it (``…|outer_scale=0.83``), and streamed with ``--stream-delay`` (``…|stream_delay=10``) or
+``--fragments`` (``…|fragments=4``). Methods
 that talk every H steps trained at several H (each composed with one e2e run that timed them all,
 ``--methods d-local-avg-h25,…``) are a row per H (``d-local-avg-h25``). A (method, settings) given twice for one seed is refused.
 
@@ -101,6 +102,8 @@ def summarize(docs: list[dict]) -> dict:
                 key += f"|outer_scale={d['config'].get('outer_scale', 1.0):g}"
             if split_sync_every(m)[0].endswith("-st") and d["config"].get("stream_delay") is not None:
                 key += f"|stream_delay={d['config']['stream_delay']}"
+            if split_sync_every(m)[0].endswith("-st") and d["config"].get("fragments", 1) != 1:
+                key += f"|fragments={d['config']['fragments']}"
             if m.startswith("d-local") and d["config"].get("reset_momentum"):
                 key += "|reset_momentum"
             if i in rows_of.setdefault(key, {}):
@@ -140,6 +143,7 @@ def label(key: str) -> str:
     from .e2e.methods import label as method_label
 
     key, reset, _ = key.partition("|reset_momentum")
+    key, _, fragments = key.partition("|fragments=")
     key, _, delay = key.partition("|stream_delay=")
     key, _, alpha = key.partition("|outer_scale=")
     key, _, tau = key.partition("|abstain_below=")
@@ -148,7 +152,7 @@ def label(key: str) -> str:
     settings = ([f"lr {lr}"] if lr else []) + ([f"warm-up {warmup}"] if warmup else []) + (
         [f"abstain_below {tau}"] if tau else []) + ([f"outer_scale {alpha}"] if alpha else []) + (
         [f"applied {delay} steps into the next round"] if delay else []) + (
-        ["momenta reset at each sync"] if reset else [])
+        [f"in {fragments} fragments"] if fragments else []) + (["momenta reset at each sync"] if reset else [])
     return method_label(m) + (f" ({', '.join(settings)})" if settings else "")
 
 

@@ -114,8 +114,8 @@ PROFILE_RANGES = ("dlion.contribute", "dlion.exchange", "dlion.apply")
 
 
 def add_local_vote_args(ap) -> None:
-    """``--abstain-below TAU``, ``--outer-scale A``, ``--reset-momentum`` and ``--stream-delay`` for e2e and ttq
-    alike (checked by :func:`methods_from_args`)."""
+    """``--abstain-below TAU``, ``--outer-scale A``, ``--reset-momentum``, ``--stream-delay`` and ``--fragments``
+    for e2e and ttq alike (checked by :func:`methods_from_args`)."""
     ap.add_argument("--abstain-below", type=float, default=0.0, metavar="TAU",
                     help="d-local-*: a rank abstains where its round's progress is below TAU times the round's summed "
                          "lr (LocalDistributedLion(abstain_below=TAU)); default 0")
@@ -128,11 +128,15 @@ def add_local_vote_args(ap) -> None:
     ap.add_argument("--stream-delay", type=int, default=None, metavar="STEPS",
                     help="d-local-*-st: apply the round in flight STEPS steps into the next round instead of at its "
                          "end (LocalDistributedLion(stream_delay=STEPS)); default: at its end")
+    ap.add_argument("--fragments", type=int, default=1, metavar="P",
+                    help="d-local-*-st: the model in P fragments with staggered rounds, an exchange of 1/P of the "
+                         "bytes every H/P steps (LocalDistributedLion(fragments=P)); needs P buckets (--bucket-mb); "
+                         "default 1")
 
 
 def methods_from_args(ap, args) -> list[str]:
-    """``--methods`` parsed, ``--sync-every``, ``--abstain-below``, ``--outer-scale``, ``--reset-momentum`` and
-    ``--stream-delay`` checked, or the parser's error (for e2e and ttq)."""
+    """``--methods`` parsed, ``--sync-every``, ``--abstain-below``, ``--outer-scale``, ``--reset-momentum``,
+    ``--stream-delay`` and ``--fragments`` checked, or the parser's error (for e2e and ttq)."""
     try:
         methods = parse_methods(args.methods)
     except ValueError as e:
@@ -154,6 +158,14 @@ def methods_from_args(ap, args) -> list[str]:
         if not any(split_sync_every(m)[0].endswith("-st") for m in local):
             ap.error("--stream-delay applies to the streamed local vote only: add d-local-mavo-st or d-local-avg-st "
                      "to --methods")
+    if args.fragments != 1:
+        if args.fragments < 1:
+            ap.error(f"--fragments must be >= 1, got {args.fragments}")
+        if not any(split_sync_every(m)[0].endswith("-st") for m in local):
+            ap.error("--fragments applies to the streamed local vote only: add d-local-mavo-st or d-local-avg-st "
+                     "to --methods")
+        if args.fragments > min(sync_every_of(m, args.sync_every) for m in local if split_sync_every(m)[0].endswith("-st")):
+            ap.error(f"--fragments {args.fragments} must be <= the streamed vote's H")
     if args.abstain_below and not local:
         ap.error("--abstain-below applies to the local vote only: add d-local-mavo, d-local-mavo-st, d-local-avg or d-local-avg-st "
                  "to --methods")
@@ -428,6 +440,7 @@ class MethodRun:
                                       reset_momentum=cfg.get("reset_momentum", False),
                                       streaming=method.endswith("-st"),
                                       stream_delay=cfg.get("stream_delay") if method.endswith("-st") else None,
+                                      fragments=cfg.get("fragments", 1) if method.endswith("-st") else 1,
                                       bucket_cap_mb=cfg["bucket_mb"], fused=fused)
             self.opt.check_replicas()
         elif method in DILOCO:
