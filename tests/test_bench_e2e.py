@@ -429,6 +429,23 @@ def test_e2e_stream_delay_reaches_the_streamed_vote(tmp_path, capsys):
                     (["d-local-avg", "--stream-delay", "2"], "applies to the streamed local vote only"))
 
 
+def test_e2e_fragments_reach_the_streamed_vote(tmp_path, capsys):
+    """--fragments P is LocalDistributedLion(fragments=P): with rounds of 4 in 2 fragments (tiny buckets)
+    half the model is exchanged every 2 steps, so the last loss differs from the whole model at once; P is
+    recorded in the config, refused below 1, without a streamed local method, or above H."""
+    rows = {}
+    for name, flags in (("whole", []), ("halves", ["--fragments", "2"])):
+        assert e2e.main(_tiny(tmp_path / name, 2, ["compute", "d-local-avg-st"], "--steps", "8", "--warmup", "3",
+                              "--sync-every", "4", "--bucket-mb", "0.01", *flags)) == 0
+        doc = json.loads((tmp_path / name / "e2e_results.json").read_text())
+        assert doc["config"]["fragments"] == (2 if name == "halves" else 1)
+        rows[name] = {r["method"]: r for r in doc["results"]}["d-local-avg-st"]
+    assert rows["halves"]["loss_last"] != rows["whole"]["loss_last"]
+    _assert_refused(capsys, (["d-local-avg-st", "--fragments", "0"], "--fragments must be >= 1"),
+                    (["d-local-avg", "--fragments", "2"], "applies to the streamed local vote only"),
+                    (["d-local-avg-st", "--sync-every", "3", "--fragments", "4"], "must be <= the streamed vote's H"))
+
+
 def test_e2e_diloco_all_reduces_every_parameter_once_per_round(tmp_path):
     """diloco-* on 3 ranks, H = 2: one ring all-reduce of every parameter per round, 2(N-1)/N × 4
     bytes (fp32) or 2 (bf16) per parameter, ÷ H per step."""

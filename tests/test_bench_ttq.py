@@ -301,7 +301,7 @@ def test_across_seeds_keeps_the_local_vote_with_reset_momenta_apart():
 
 def test_across_seeds_keeps_outer_scales_and_stream_delays_apart():
     """The local vote trained at two outer scales is a row per scale (one scale alone: no such key),
-    and streamed with --stream-delay a row per delay, each labelled so."""
+    and streamed with --stream-delay a row per delay, with --fragments a row per P, each labelled so."""
     from dlion.lab.bench import ttq_seeds
 
     def seeds_at(method, setting, values):  # seeds 0 and 1 at each value of one setting, st + seed steps to L
@@ -323,6 +323,9 @@ def test_across_seeds_keeps_outer_scales_and_stream_delays_apart():
     assert list(s["methods"]) == ["d-local-avg-st", "d-local-avg-st|stream_delay=3"]
     assert ("Local D-Lion Avg 1bit streaming (applied 3 steps into the next round): steps to L 790 / 791"
             in ttq_seeds.table(s))
+    s = ttq_seeds.summarize(seeds_at("d-local-avg-st", "fragments", ((1, 800), (3, 820))))
+    assert list(s["methods"]) == ["d-local-avg-st", "d-local-avg-st|fragments=3"]
+    assert "Local D-Lion Avg 1bit streaming (in 3 fragments): steps to L 820 / 821" in ttq_seeds.table(s)
 
 
 def test_across_seeds_keeps_each_h_apart_when_the_runs_were_trained_at_several():
@@ -619,4 +622,11 @@ def test_ttq_sync_warmup_syncs_the_first_steps_and_is_composed_with_two_step_tim
     assert ttq._step_times(str(path), {**cfg, "stream_delay": 2, "methods": ["d-local-mavo-st"]}, 4)[0] == {
         "d-local-mavo-st": {"50mbit": 20.0}}
     with pytest.raises(SystemExit, match="--stream-delay None"):
+        ttq._step_times(str(path), {**cfg, "methods": ["d-local-mavo-st"]}, 4)
+    # and the same --fragments
+    path.write_text(json.dumps({**e2e, "config": {**cfg, "fragments": 3},
+                                "results": [{**e2e["results"][0], "method": "d-local-mavo-st"}]}))
+    assert ttq._step_times(str(path), {**cfg, "fragments": 3, "methods": ["d-local-mavo-st"]}, 4)[0] == {
+        "d-local-mavo-st": {"50mbit": 20.0}}
+    with pytest.raises(SystemExit, match="--fragments 1, .* timed the streamed vote with 3"):
         ttq._step_times(str(path), {**cfg, "methods": ["d-local-mavo-st"]}, 4)
