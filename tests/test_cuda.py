@@ -407,13 +407,14 @@ def test_real_gloo_ranks_with_cuda_tensors_equal_simulation(comm):
     assert sim.comm_stats.bytes_sent == r0["stats"]["bytes_sent"]
 
 
-def local_ranks_worker(rank, world, device, streaming, reset=False, delay=None):
+def local_ranks_worker(rank, world, device, streaming, reset=False, delay=None, fragments=1):
     """LocalDistributedLion on one Gloo rank, parameters and gradients on ``device``."""
     if device == "cuda":
         torch.cuda.set_device(0)
     params = [p.to(device).requires_grad_() for p in init_params(REAL_SHAPES)]
     opt = dlion.LocalDistributedLion(params, lr=LR, betas=(0.9, 0.99), weight_decay=WD, comm="1bit",
-                                     sync_every=2, streaming=streaming, reset_momentum=reset, stream_delay=delay)
+                                     sync_every=2, streaming=streaming, reset_momentum=reset, stream_delay=delay,
+                                     fragments=fragments, bucket_cap_mb=0.001 if fragments > 1 else 25.0)
     for t in range(2 * REAL_STEPS):
         for p, g in zip(params, real_grads(rank, t % REAL_STEPS)):
             p.grad = None if g is None else g.to(device)
@@ -424,13 +425,15 @@ def local_ranks_worker(rank, world, device, streaming, reset=False, delay=None):
     return dict(params=[p.detach().cpu().clone() for p in params], anchor=anchor)
 
 
-@pytest.mark.parametrize("streaming, reset, delay", [(False, False, None), (True, False, None), (False, True, None),
-                                                     (True, True, None), (True, True, 1)])
-def test_real_gloo_ranks_local_steps_on_cuda_equal_cpu_ranks(streaming, reset, delay):
+@pytest.mark.parametrize("streaming, reset, delay, fragments", [
+    (False, False, None, 1), (True, False, None, 1), (False, True, None, 1), (True, True, None, 1), (True, True, 1, 1),
+    (True, True, None, 2)])
+def test_real_gloo_ranks_local_steps_on_cuda_equal_cpu_ranks(streaming, reset, delay, fragments):
     """REAL RANKS: LocalDistributedLion (H = 2, 6 steps; ``reset_momentum`` too; streamed with the round in
-    flight applied one step into the next, ``stream_delay=1``) on CUDA equals the same run on CPU ranks bitwise."""
-    gpu = spawn(local_ranks_worker, 2, DEV, streaming, reset, delay, timeout_s=60, start_method="spawn")
-    cpu = spawn(local_ranks_worker, 2, "cpu", streaming, reset, delay, timeout_s=60, start_method="spawn")
+    flight applied one step into the next, ``stream_delay=1``, or in two fragments whose rounds end on
+    alternate steps) on CUDA equals the same run on CPU ranks bitwise."""
+    gpu = spawn(local_ranks_worker, 2, DEV, streaming, reset, delay, fragments, timeout_s=60, start_method="spawn")
+    cpu = spawn(local_ranks_worker, 2, "cpu", streaming, reset, delay, fragments, timeout_s=60, start_method="spawn")
     for r in range(2):
         assert not first_difference(gpu[r]["anchor"], gpu[0]["anchor"]), "CUDA ranks disagree on the anchor"
         diff = first_difference(gpu[r]["params"], cpu[r]["params"])
