@@ -97,7 +97,8 @@ def reference_streaming(world, steps, H, vote="mavo", ef=True, alpha=1.0, batche
                         delay=None, frag=None, P=1):
     """Streaming: round r's vote is applied at the end of round r + 1, replacing each worker's own
     progress of round r; returns the anchor after every step that ends a round or applies one, and
-    every worker's parameters at the end (before any flush); ``reset``: every worker's momentum is 0 again at each round's end;
+    every worker's parameters at the end (before any flush); ``reset``: every worker's momentum is 0 again
+    at each round's end;
     ``delay``: round r's vote is applied ``delay`` steps after its end if round r + 1 is longer, and the
     start of round r + 1 (from which its progress is measured) moves with the worker's parameters.
     ``frag[j]``: the fragment (of P) of parameter j; each fragment has its own rounds and S, and the
@@ -267,7 +268,8 @@ def test_streaming_equals_its_literal_reference(world):
             assert any(not torch.equal(a, b) for t in anchors if t in late for a, b in zip(anchors[t], late[t])), cfg
         if P > 1:  # (so do the fragments)
             whole, _ = reference_streaming(world, cfg["steps"], cfg["H"], ef=cfg.get("ef", True),
-                                           warmup=cfg.get("W", 0), reset=cfg.get("reset", False), delay=cfg.get("delay"))
+                                           warmup=cfg.get("W", 0), reset=cfg.get("reset", False),
+                                           delay=cfg.get("delay"))
             assert any(not torch.equal(a, b) for t in anchors if t in whole for a, b in zip(anchors[t], whole[t])), cfg
         for rank, res in enumerate(results):
             r = res[c]

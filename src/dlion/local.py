@@ -25,11 +25,12 @@ e_i stays 0.
 
 With ``streaming=True`` a round's exchange runs behind the next local steps and its vote is applied
 later (``stream_delay``); with ``fragments=P`` each of P parts of the model has its own rounds,
-ending at staggered steps, so that an exchange of 1/P of the bytes leaves every H/P steps. Bytes: what one :class:`DistributedLion` step of the same
-algorithm moves, once per round (``comm_stats`` counts every step, so
-``bits_per_param_per_step`` is the amortised figure): for ``comm="1bit"`` at
-N = 4, about 1.52/H bits per parameter sent per step (random ties) and 1.96/H
-with ``ties="zero"`` (trits back).
+ending at staggered steps, so that an exchange of 1/P of the bytes leaves every H/P steps.
+
+Bytes: what one :class:`DistributedLion` step of the same algorithm moves, once per round
+(``comm_stats`` counts every step, so ``bits_per_param_per_step`` is the amortised figure): for
+``comm="1bit"`` at N = 4, about 1.52/H bits per parameter sent per step (random ties) and 1.96/H
+with ``ties="zero"`` (trits back); in fragments, the same per round.
 """
 
 from __future__ import annotations

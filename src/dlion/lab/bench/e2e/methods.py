@@ -164,7 +164,8 @@ def methods_from_args(ap, args) -> list[str]:
         if not any(split_sync_every(m)[0].endswith("-st") for m in local):
             ap.error("--fragments applies to the streamed local vote only: add d-local-mavo-st or d-local-avg-st "
                      "to --methods")
-        if args.fragments > min(sync_every_of(m, args.sync_every) for m in local if split_sync_every(m)[0].endswith("-st")):
+        streamed = [m for m in local if split_sync_every(m)[0].endswith("-st")]
+        if args.fragments > min(sync_every_of(m, args.sync_every) for m in streamed):
             ap.error(f"--fragments {args.fragments} must be <= the streamed vote's H")
     if args.abstain_below and not local:
         ap.error("--abstain-below applies to the local vote only: add d-local-mavo, d-local-mavo-st, d-local-avg or d-local-avg-st "
