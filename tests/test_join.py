@@ -344,7 +344,8 @@ def test_hierarchical_join_lets_ranks_and_whole_nodes_that_run_out_abstain():
 # -- LocalDistributedLion ---------------------------------------------------------------------
 LOCAL_CASES = [dict(H=3, batches=(6, 4, 5)),                 # ranks 1 and 2 run out in the middle of round 2
                dict(H=3, batches=(7, 2, 5), vote="avg"),     # rank 1 in round 1 (abstains in all of round 2); 7:
-               dict(H=2, batches=(5, 3, 4), streaming=True)]  # a round unfinished at the end
+               dict(H=2, batches=(5, 3, 4), streaming=True),  # a round unfinished at the end
+               dict(H=4, batches=(9, 5, 7), streaming=True, P=2)]  # two fragments, rounds ending on even steps
 
 
 def local_join_worker(rank, world):
@@ -355,12 +356,13 @@ def local_join_worker(rank, world):
         params = [p.requires_grad_() for p in init_params(rank)]
         opt = dlion.LocalDistributedLion(params, lr=LR, betas=BETAS, weight_decay=WD, sync_every=case["H"],
                                          vote=case.get("vote", "mavo"), streaming=case.get("streaming", False),
+                                         fragments=case.get("P", 1), bucket_cap_mb=0.01 if case.get("P") else 25.0,
                                          comm="1bit", seed=3, check_every=1)
 
         def snap():
             local = _snapshot(params)
             with opt.anchored():
-                return opt.step_count, _snapshot(params), local
+                return opt.step_count, _snapshot(params), local, [opt.fragment_of(p) for p in params]
 
         probe = Snapshots(params, snap)
         after = []
@@ -377,7 +379,7 @@ def local_join_worker(rank, world):
 def test_local_join_lets_ranks_that_run_out_mid_round_abstain():
     """3 ranks, H = 3 with 6/4/5 batches (two ranks run out in the middle of round 2), H = 3 with 7/2/5 and
     Avg (one rank runs out in round 1 and abstains in the whole of round 2; the third round is unfinished at
-    the end) and streaming with H = 2: inside ``Join([opt])`` every rank runs max(batches) steps; after every
+    the end), streaming with H = 2 and with H = 4 in two fragments (9/5/7 batches): inside ``Join([opt])`` every rank runs max(batches) steps; after every
     step the anchor is bitwise equal on every rank, after every sync it equals the literal reference in which
     each rank's missing steps have no gradient (it votes on the progress it made before it ran out and
     abstains on the rest), and each rank's local parameters at the end equal that reference's. Before: Join
@@ -389,15 +391,17 @@ def test_local_join_lets_ranks_that_run_out_mid_round_abstain():
     results = spawn(local_join_worker, 3, timeout_s=120)
     for c, case in enumerate(LOCAL_CASES):
         total, H = max(case["batches"]), case["H"]
+        P = case.get("P", 1)
         if case.get("streaming"):
-            anchors, xs = reference_streaming(3, total, H, batches=case["batches"])
+            frag = results[0][c][0][3]  # (each parameter's fragment, as the optimizer laid them out)
+            anchors, xs = reference_streaming(3, total, H, batches=case["batches"], frag=frag, P=P)
         else:
             anchors, xs = reference(3, total, H, vote=case.get("vote", "mavo"), batches=case["batches"])
-        assert sorted(anchors) == [t for t in range(1, total + 1) if t % H == 0]
+        assert sorted(anchors) == [t for t in range(1, total + 1) if t % (H // P) == 0]
         for rank in range(3):
             trace = results[rank][c]
-            assert [n for n, _, _ in trace] == list(range(1, total + 1)), (case, rank)
-            for t, (n, anchor, local) in enumerate(trace):
+            assert [n for n, *_ in trace] == list(range(1, total + 1)), (case, rank)
+            for t, (n, anchor, local, _) in enumerate(trace):
                 assert _equal(anchor, results[0][c][t][1]), (case, rank, n)
                 if n in anchors:
                     assert _equal(anchor, anchors[n]), (case, rank, n)
