@@ -682,21 +682,31 @@ def lab_twin_worker(rank, world, cfgs):
     out = []
     for cfg in cfgs:
         params = [p.float().requires_grad_() for p in init_params(rank)]
-        opt = dlion.LocalDistributedLion(params, lr=LR, betas=BETAS, weight_decay=WD, sync_every=3, vote=cfg["vote"],
-                                         outer_scale=cfg["alpha"], reset_momentum=cfg["reset"], ties="zero")
+        opt = dlion.LocalDistributedLion(params, lr=LR, betas=BETAS, weight_decay=WD, sync_every=cfg.get("H", 3),
+                                         vote=cfg["vote"], outer_scale=cfg["alpha"], reset_momentum=cfg["reset"],
+                                         ties="zero", streaming=cfg.get("P", 0) > 0, fragments=max(cfg.get("P", 0), 1),
+                                         sync_warmup=cfg.get("W", 0), bucket_cap_mb=0.01)
         synced = {}
         for t in range(9):
             for p, g in zip(params, grads_for(rank, t, True)):
                 p.grad = g.float()
             opt.step()
-            if (t + 1) % 3 == 0:
+            if cfg.get("P"):  # (streamed: the anchor after every step, the round in flight applied after the last)
+                if t == 8:
+                    opt.flush()
+                with opt.anchored():
+                    synced[t + 1] = [p.detach().clone() for p in params]
+            elif (t + 1) % 3 == 0:
                 synced[t + 1] = [p.detach().clone() for p in params]
         out.append(synced)
     return out
 
 
 LAB_TWINS = [dict(vote="avg", alpha=0.83, reset=True), dict(vote="avg", alpha=0.67, reset=False),
-             dict(vote="mavo", alpha=1.0, reset=False), dict(vote="mavo", alpha=1.0, reset=True)]
+             dict(vote="mavo", alpha=1.0, reset=False), dict(vote="mavo", alpha=1.0, reset=True),
+             # streamed (st=1): whole, and in fragments (fr=P) with a warm-up
+             dict(vote="avg", alpha=0.83, reset=True, P=1), dict(vote="avg", alpha=0.83, reset=True, P=2, H=4, W=1),
+             dict(vote="mavo", alpha=1.0, reset=False, P=2, H=3)]
 
 
 @pytest.mark.parametrize("world", [3, 4])
@@ -705,17 +715,20 @@ def test_the_lab_simulation_behind_the_charlm_runs_equals_the_library_bitwise(wo
     simulation (``dlocal_mavo:H:vote=…:alpha=…:mr=…``), not from this optimizer: on the same gradients
     (N = 3, 4; fp32; H = 3) its anchor after every sync equals the library's bitwise, for the Avg
     vote with the momenta reset at outer scale 0.83 and without at 0.67, and for the majority vote
-    (zero ties), so those figures are the library's."""
+    (zero ties); streamed (``st=1``), whole and in fragments (``fr=P``), after every step, the lab's last
+    step applying the round in flight as ``flush()`` does; so those figures are the library's."""
     from dlion.lab.experiments.local_steps import LocalVote
 
     results = spawn(lab_twin_worker, world, LAB_TWINS)
     for c, cfg in enumerate(LAB_TWINS):
         params = [p.float() for p in init_params(0)]
-        lab = LocalVote(params, world, 3, {"lr": LR, "weight_decay": WD}, {"lion": BETAS}, 0, 9, alpha=cfg["alpha"],
-                        vote=cfg["vote"], momentum_reset=cfg["reset"])
+        lab = LocalVote(params, world, cfg.get("H", 3), {"lr": LR, "weight_decay": WD}, {"lion": BETAS}, 0, 9,
+                        alpha=cfg["alpha"], vote=cfg["vote"], momentum_reset=cfg["reset"],
+                        streaming=cfg.get("P", 0) > 0, fragments=max(cfg.get("P", 0), 1), bucket_mb=0.01,
+                        warmup_steps=cfg.get("W", 0))
         for t in range(9):
             lab.step([torch.stack([grads_for(i, t, True)[j].float() for i in range(world)])
                       for j in range(len(params))])
-            if (t + 1) % 3 == 0:
+            if cfg.get("P") or (t + 1) % 3 == 0:
                 for rank, res in enumerate(results):
                     assert all(torch.equal(a, b) for a, b in zip(res[c][t + 1], lab.params)), (cfg, rank, t)

@@ -267,7 +267,10 @@ def test_local_specs():
     assert canonical("diloco_lion:10:outer_lr=0.1") == "diloco_lion:10:outer_lr=0.1"
     assert local_options("dlocal_mavo:5:ef=0") == {"H": 5, "alpha": 1.0, "ef": 0, "ties": "zero", "ob1": 0.0,
                                                    "ob2": 0.0, "ab": 0.0, "esc": 0, "osoft": 0,
-                                                   "vote": "mavo", "sw": 0, "h0": 1, "mr": 0}
+                                                   "vote": "mavo", "sw": 0, "h0": 1, "mr": 0,
+                                                   "st": 0, "fr": 1, "bmb": 25.0}
+    assert (label("dlocal_mavo:25:alpha=0.83:vote=avg:mr=1:st=1:fr=3:bmb=0.5")
+            == "D-Local Avg H=25, α=0.83, momenta reset at each sync, streamed in 3 fragments")
     assert canonical("dlocal_mavo:50:h0=10:sw=200:vote=avg") == "dlocal_mavo:50:vote=avg:sw=200:h0=10"
     assert label("dlocal_mavo:50:vote=avg:sw=200:h0=10") == "D-Local Avg H=50, H=10 for the first 200 steps"
     assert canonical("dlocal_mavo:10:osoft=1:ob1=0.5:esc=0") == "dlocal_mavo:10:ob1=0.5:osoft=1"
@@ -285,7 +288,8 @@ def test_local_specs():
     for bad in ("dlocal_mavo:0", "dlocal_mavo:1.5", "dlocal_mavo:10:outer_lr=1", "diloco_adamw:10:alpha=1",
                 "dlocal_mavo:10:ef=2", "dlocal_mavo:10:ties=up", "diloco_lion:10:outer_momentum=1",
                 "dlocal_mavo:x", "dlocal_mavo:10:esc=2", "dlocal_mavo:10:vote=sum",
-                "dlocal_mavo:10:sw=-1", "dlocal_mavo:10:sw=2.5", "dlocal_mavo:10:h0=0"):
+                "dlocal_mavo:10:sw=-1", "dlocal_mavo:10:sw=2.5", "dlocal_mavo:10:h0=0", "dlocal_mavo:10:fr=0",
+                "dlocal_mavo:10:st=2", "dlocal_mavo:10:bmb=0"):
         with pytest.raises(ValueError):
             parse_method(bad)
     config = {"methods": {"glion": {"lr": 1e-4, "weight_decay": 0.1}, "gadamw": {"lr": 3e-3, "weight_decay": 0.1}}}

@@ -179,6 +179,10 @@ class LocalMethod:
         self.round_steps += 1
         self.round_lr_sum += lr
         self.bits_counter.steps += 1
+        self._end_of_step(lr)
+
+    def _end_of_step(self, lr: float) -> None:
+        """A sync where a round ends (:class:`LocalVote` with ``streaming``: its own rule)."""
         if self._round_ends():
             with torch.no_grad():
                 self.sync()
@@ -220,13 +224,45 @@ class LocalVote(LocalMethod):
     Bits one rank sends per parameter per step (:func:`local_vote_bits`):
     ((N−1)/N · 1 + (N−1)/N · b_down) / H, b_down = 1 (N odd or random ties) or 1.6
     (5 trits per byte). With ``abstain_below`` τ > 0 (abstain where |e_i| < τ·S) the scattered
-    abstentions go as base-3 digits both ways, 1.6 bits each (the library's steady state)."""
+    abstentions go as base-3 digits both ways, 1.6 bits each (the library's steady state).
+
+    ``streaming`` (the library's ``streaming=True``, ``stream_delay=None``) with ``fragments`` P: the
+    parameters in the library's P fragments of buckets (``bucket_mb``, as ``bucket_cap_mb``), fragment
+    f's rounds ending ⌊f·H/P⌋ steps after fragment 0's; each round's vote is computed where it ends and
+    applied when the next round (of any fragment) ends, replacing each worker's own progress of that
+    round (:meth:`_apply_pending`, the library's operations in its order). After the last step the
+    round in flight is applied, as the library's ``flush()``; the rounds unfinished then stay each
+    worker's own (the anchor, evaluated, leaves them out, as ``anchored()`` does)."""
 
     def __init__(self, params, world_size, H, hp, betas, seed, total_steps, *, alpha: float = 1.0,
                  error_feedback: bool = True, ties: str = "zero", outer_betas: tuple = (0.0, 0.0),
                  abstain_below: float = 0.0, error_scale: bool = False, soft_outer: bool = False,
-                 vote: str = "mavo", warmup_steps: int = 0, warmup_H: int = 1, momentum_reset: bool = False):
+                 vote: str = "mavo", warmup_steps: int = 0, warmup_H: int = 1, momentum_reset: bool = False,
+                 streaming: bool = False, fragments: int = 1, bucket_mb: float = 25.0):
         super().__init__(params, world_size, H, hp, betas, "lion", total_steps, warmup_steps, warmup_H)
+        if fragments != 1 and not streaming:
+            raise ValueError("fragments need streaming")
+        if streaming and (outer_betas[0] > 0 or error_scale or soft_outer or abstain_below or warmup_H != 1):
+            raise ValueError("streaming takes none of the outer-step experiments, abstain_below or warmup_H != 1")
+        self.streaming, self.fragments = bool(streaming), int(fragments)
+        if streaming:
+            from dlion.buckets import layout_buckets
+            from dlion.local import split_fragments
+
+            group: dict = {}
+            buckets = layout_buckets(self.params, [group] * len(self.params), world_size, bucket_mb,
+                                     trainable_only=False)
+            if len(buckets) < fragments:
+                raise ValueError(f"fragments={fragments} needs at least {fragments} buckets, got {len(buckets)}")
+            self.fragment_of = [0] * len(self.params)
+            for f, ks in enumerate(split_fragments([b.numel for b in buckets], fragments)):
+                for k in ks:
+                    for j in buckets[k].indices:
+                        self.fragment_of[j] = f
+            self.round_start = [w.clone() for w in self.workers]
+            self.progress = [torch.zeros_like(w) for w in self.workers]
+            self.fragment_lr = [0.0] * fragments
+            self.pending: Optional[tuple] = None  # (Δ per parameter index, α·S, the parameter indices)
         self.momentum_reset = bool(momentum_reset)
         if vote not in ("mavo", "avg"):
             raise ValueError(f"vote must be 'mavo' or 'avg', got {vote!r}")
@@ -246,6 +282,74 @@ class LocalVote(LocalMethod):
         self.outer_moms = [torch.zeros_like(p) for p in self.params] if self.outer_betas[0] > 0 else None
         self.abstain_below = float(abstain_below)
 
+    def _end_of_step(self, lr: float) -> None:
+        if not self.streaming:
+            return super()._end_of_step(lr)
+        self.fragment_lr = [s + lr for s in self.fragment_lr]
+        n, w, H, P = self.step_count, self.warmup_steps, self.H, self.fragments
+        if n <= w:
+            ending = list(range(P))
+        else:
+            ending = [f for f in range(P) if (n - w - f * H // P) % H == 0 and n - w >= max(1, f * H // P)]
+        with torch.no_grad():
+            if ending:
+                self._stream_round(ending)
+                self.syncs += 1
+            if n == self.total_steps:
+                self._apply_pending()
+        self.round_steps, self.round_lr_sum = 0, 0.0
+
+    def _stream_round(self, ending: list) -> None:
+        """The rounds of the fragments ``ending`` end: their progress measured, the round in flight
+        applied, their vote computed (residuals updated) and left pending."""
+        js = [j for j, f in enumerate(self.fragment_of) if f in ending]
+        ds = {j: self.round_start[j] - self.workers[j] for j in js}
+        self._apply_pending()
+        if self.momentum_reset:
+            for j in js:
+                self.inner.state[self.workers[j]]["exp_avg"].zero_()
+        deltas = {}
+        for j in js:
+            self.round_start[j].copy_(self.workers[j])
+            d = ds[j]
+            self.progress[j].copy_(d)
+            if self.errors is not None:
+                e = self.errors[j]
+                e.add_(d)
+                s = torch.sign(e)
+                mag = e.abs().mean(dim=tuple(range(1, e.dim())), keepdim=True) if e.dim() > 1 else e.abs()
+                e.sub_(mag * s)
+            else:
+                s = torch.sign(d)
+            total = s.sum(0)
+            delta = total / s.shape[0] if self.vote == "avg" else torch.sign(total)
+            if self.ties == "random" and self.vote != "avg":
+                coin = torch.randint(0, 2, total.shape, generator=self.generator).to(total.dtype).mul_(2).sub_(1)
+                delta = torch.where(total == 0, coin, delta)
+            deltas[j] = delta
+        if len({self.fragment_lr[f] for f in ending}) != 1:
+            raise RuntimeError("fragments ending together with another S")
+        self.pending = (deltas, self.alpha * self.fragment_lr[ending[0]], js)
+        for f in ending:
+            self.fragment_lr[f] = 0.0
+        self._count_bits(sum(self.params[j].numel() for j in js))
+
+    def _apply_pending(self) -> None:
+        """A' = A − α·S·Δ replaces each worker's own progress d of the round in flight, as the library's
+        streamed apply: r ← (r − A) + d, x ← x − A, d ← d + x, x ← A', x ← x + d, r ← r + A'."""
+        if self.pending is None:
+            return
+        deltas, scale, js = self.pending
+        for j in js:
+            a, x, start, done = self.params[j], self.workers[j], self.round_start[j], self.progress[j]
+            start.sub_(a).add_(done)
+            x.sub_(a)
+            done.add_(x)
+            a.sub_(deltas[j].mul_(scale))
+            x.copy_(a.unsqueeze(0).expand_as(x)).add_(done)
+            start.add_(a)
+        self.pending = None
+
     def sync(self) -> None:
         outer = (*self.outer_betas, self.outer_moms) if self.outer_moms is not None else None
         vote_round(self.params, self.workers, self.errors, self.alpha * self.round_lr_sum, self.ties,
@@ -254,7 +358,11 @@ class LocalVote(LocalMethod):
         if self.momentum_reset:  # every rank's Lion momentum back to 0 at every sync (the library's reset_momentum=True)
             for state in self.inner.state.values():
                 state["exp_avg"].zero_()
-        d, N = self.bits_counter.num_params, self.world_size
+        self._count_bits(self.bits_counter.num_params)
+
+    def _count_bits(self, d: int) -> None:
+        """The bits of one exchange of ``d`` parameters."""
+        N = self.world_size
         b_up = TRIT_BITS if self.abstain_below else 1.0
         # the codes back as the library's rule sends them (MaVo: 1 bit, or base 3 with zeros; Avg: the sum of the signs)
         b_down = VoteRule(self.vote, N, self.ties).result_bits(zeros=bool(self.abstain_below))
@@ -267,7 +375,7 @@ class LocalVote(LocalMethod):
         return dict(super().record(), alpha=self.alpha, error_feedback=self.errors is not None, ties=self.ties,
                     outer_betas=list(self.outer_betas), abstain_below=self.abstain_below,
                     error_scale=self.error_scale, soft_outer=self.soft_outer, vote=self.vote,
-                    momentum_reset=self.momentum_reset)
+                    momentum_reset=self.momentum_reset, streaming=self.streaming, fragments=self.fragments)
 
 
 class DiLoCo(LocalMethod):

@@ -42,6 +42,9 @@ base                    round (H local steps, then)                             
                         then of H; ``h0=1`` is the library's ``sync_warmup=K``)
                         (``mr=1``: every rank's Lion momentum reset to 0 at each sync;     ``mr`` (0: off)
                         the library's ``reset_momentum=True``)
+                        (``st=1``: streamed, each round's vote applied when the next       ``st`` (0), ``fr`` (1),
+                        ends; ``fr=P``: in the library's P fragments of buckets of         ``bmb`` (25)
+                        ``bmb`` MB, ``streaming=True, fragments=P``)
 ``diloco_adamw``        local AdamW; fp32 mean pseudo-gradient → outer Nesterov SGD        ``outer_lr`` (0.7),
                                                                                            ``outer_momentum`` (0.9)
 ``diloco_lion``         local Lion; the same outer step                                   as above
@@ -100,7 +103,8 @@ ALL_METHODS = METHODS + LOCAL_METHODS
 DEFAULT_H = 10
 # options of a local-step spec, in their canonical order, with defaults
 LOCAL_OPTIONS = {"dlocal_mavo": {"alpha": 1.0, "ef": 1, "ties": "zero", "ob1": 0.0, "ob2": 0.0, "ab": 0.0,
-                                 "esc": 0, "osoft": 0, "vote": "mavo", "sw": 0, "h0": 1, "mr": 0},
+                                 "esc": 0, "osoft": 0, "vote": "mavo", "sw": 0, "h0": 1, "mr": 0,
+                                 "st": 0, "fr": 1, "bmb": 25.0},
                  **{b: {"outer_lr": 0.7, "outer_momentum": 0.9} for b in LOCAL_METHODS if b.startswith("diloco")}}
 # the every-step method whose tuned lr / weight decay a local-step method takes by default
 LOCAL_TWIN = {"dlocal_mavo": "glion", "diloco_adamw": "gadamw", "diloco_adamw_bf16": "gadamw",
@@ -157,11 +161,11 @@ def local_options(spec: str) -> dict:
             if value not in ("mavo", "avg"):
                 raise ValueError(f"vote must be mavo or avg, got {spec!r}")
             out[key] = value
-        elif key in ("sw", "h0"):
-            if not value.isdigit() or (key == "h0" and int(value) < 1):
+        elif key in ("sw", "h0", "fr"):
+            if not value.isdigit() or (key in ("h0", "fr") and int(value) < 1):
                 raise ValueError(f"{key} must be an integer >= {0 if key == 'sw' else 1}, got {spec!r}")
             out[key] = int(value)
-        elif key in ("ef", "esc", "osoft", "mr"):
+        elif key in ("ef", "esc", "osoft", "mr", "st"):
             if value not in ("0", "1"):
                 raise ValueError(f"{key} must be 0 or 1, got {spec!r}")
             out[key] = int(value)
@@ -308,6 +312,8 @@ def label(spec: str, legacy: bool = False) -> str:
             text += f", H={opts['h0']} for the first {opts['sw']} steps"
         if opts.get("mr", 0):
             text += ", momenta reset at each sync"
+        if opts.get("st", 0):
+            text += ", streamed" + (f" in {opts['fr']} fragments" if opts.get("fr", 1) > 1 else "")
         if opts.get("outer_lr", 0.7) != 0.7:
             text += f", outer lr {opts['outer_lr']:g}"
         if opts.get("outer_momentum", 0.9) != 0.9:
@@ -490,7 +496,8 @@ def make_method(spec, params, world_size, hp, task_name, seed, total_steps):
             return L.LocalVote(params, world_size, o["H"], hp, betas, seed, total_steps, alpha=o["alpha"],
                                error_feedback=bool(o["ef"]), ties=o["ties"], outer_betas=(o["ob1"], o["ob2"]),
                                abstain_below=o["ab"], error_scale=bool(o["esc"]), soft_outer=bool(o["osoft"]),
-                               vote=o["vote"], warmup_steps=o["sw"], warmup_H=o["h0"], momentum_reset=bool(o["mr"]))
+                               vote=o["vote"], warmup_steps=o["sw"], warmup_H=o["h0"], momentum_reset=bool(o["mr"]),
+                               streaming=bool(o["st"]), fragments=o["fr"], bucket_mb=o["bmb"])
         return L.DiLoCo(params, world_size, o["H"], hp, betas, seed, total_steps,
                         inner="adamw" if "adamw" in name else "lion", bf16=name.endswith("_bf16"),
                         outer_lr=o["outer_lr"], outer_momentum=o["outer_momentum"])
