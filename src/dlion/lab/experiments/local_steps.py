@@ -65,6 +65,28 @@ def _kept(c: Tensor, threshold: float) -> Tensor:
     return s.mul_(c.abs() >= threshold) if threshold else s
 
 
+def _signs(d: Tensor, e: Optional[Tensor], threshold: float) -> tuple:
+    """Each worker's kept signs of its progress d (N, *S), and with error feedback (``e``, updated in
+    place: e ← e + d, then e ← e − mean|e|·s per worker) of e + d, with those means (else None)."""
+    if e is None:
+        return _kept(d, threshold), None
+    e.add_(d)
+    s = _kept(e, threshold)
+    mag = e.abs().mean(dim=tuple(range(1, e.dim())), keepdim=True) if e.dim() > 1 else e.abs()
+    e.sub_(mag * s)
+    return s, mag
+
+
+def _combine(s: Tensor, vote: str, ties: str, generator: Optional[torch.Generator]) -> Tensor:
+    """Δ of the workers' signs (N, *S): their mean (``avg``) or the sign of their sum, a tie 0 or a coin."""
+    total = s.sum(0)
+    delta = total / s.shape[0] if vote == "avg" else torch.sign(total)
+    if ties == "random" and vote != "avg":
+        coin = torch.randint(0, 2, total.shape, generator=generator).to(total.dtype).mul_(2).sub_(1)
+        delta = torch.where(total == 0, coin, delta)
+    return delta
+
+
 def vote_round(anchor: Sequence[Tensor], workers: Sequence[Tensor], errors: Optional[Sequence[Tensor]],
                scale: float, ties: str = "zero", generator: Optional[torch.Generator] = None,
                outer: Optional[tuple] = None, abstain_below: float = 0.0,
@@ -95,22 +117,9 @@ def vote_round(anchor: Sequence[Tensor], workers: Sequence[Tensor], errors: Opti
 
     ``vote="avg"``: Δ = (Σ_i s_i)/N, D-Lion's averaging rule (``ties`` does not apply)."""
     for k, (a, x) in enumerate(zip(anchor, workers)):
-        d = a.unsqueeze(0) - x
-        if errors is not None:
-            e = errors[k]
-            e.add_(d)
-            s = _kept(e, abstain_below)
-            mag = e.abs().mean(dim=tuple(range(1, e.dim())), keepdim=True) if e.dim() > 1 else e.abs()
-            e.sub_(mag * s)
-            step_scale = error_scale * float(mag.mean()) if error_scale is not None else scale
-        else:
-            s = _kept(d, abstain_below)
-            step_scale = scale
-        total = s.sum(0)
-        delta = total / s.shape[0] if vote == "avg" else torch.sign(total)
-        if ties == "random" and vote != "avg":
-            coin = torch.randint(0, 2, total.shape, generator=generator).to(total.dtype).mul_(2).sub_(1)
-            delta = torch.where(total == 0, coin, delta)
+        s, mag = _signs(a.unsqueeze(0) - x, errors[k] if errors is not None else None, abstain_below)
+        step_scale = error_scale * float(mag.mean()) if error_scale is not None and mag is not None else scale
+        delta = _combine(s, vote, ties, generator)
         if outer is not None:
             b1, b2, moms = outer
             m = moms[k]
@@ -311,22 +320,9 @@ class LocalVote(LocalMethod):
         deltas = {}
         for j in js:
             self.round_start[j].copy_(self.workers[j])
-            d = ds[j]
-            self.progress[j].copy_(d)
-            if self.errors is not None:
-                e = self.errors[j]
-                e.add_(d)
-                s = torch.sign(e)
-                mag = e.abs().mean(dim=tuple(range(1, e.dim())), keepdim=True) if e.dim() > 1 else e.abs()
-                e.sub_(mag * s)
-            else:
-                s = torch.sign(d)
-            total = s.sum(0)
-            delta = total / s.shape[0] if self.vote == "avg" else torch.sign(total)
-            if self.ties == "random" and self.vote != "avg":
-                coin = torch.randint(0, 2, total.shape, generator=self.generator).to(total.dtype).mul_(2).sub_(1)
-                delta = torch.where(total == 0, coin, delta)
-            deltas[j] = delta
+            self.progress[j].copy_(ds[j])
+            s, _ = _signs(ds[j], self.errors[j] if self.errors is not None else None, 0.0)
+            deltas[j] = _combine(s, self.vote, self.ties, self.generator)
         if len({self.fragment_lr[f] for f in ending}) != 1:
             raise RuntimeError("fragments ending together with another S")
         self.pending = (deltas, self.alpha * self.fragment_lr[ending[0]], js)
