@@ -161,10 +161,10 @@ def methods_from_args(ap, args) -> list[str]:
     if args.fragments != 1:
         if args.fragments < 1:
             ap.error(f"--fragments must be >= 1, got {args.fragments}")
-        if not any(split_sync_every(m)[0].endswith("-st") for m in local):
+        streamed = [m for m in local if split_sync_every(m)[0].endswith("-st")]
+        if not streamed:
             ap.error("--fragments applies to the streamed local vote only: add d-local-mavo-st or d-local-avg-st "
                      "to --methods")
-        streamed = [m for m in local if split_sync_every(m)[0].endswith("-st")]
         if args.fragments > min(sync_every_of(m, args.sync_every) for m in streamed):
             ap.error(f"--fragments {args.fragments} must be <= the streamed vote's H")
     if args.abstain_below and not local:
