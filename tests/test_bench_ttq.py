@@ -616,17 +616,12 @@ def test_ttq_sync_warmup_syncs_the_first_steps_and_is_composed_with_two_step_tim
         "d-local-mavo": {"50mbit": 20.0}}
     with pytest.raises(SystemExit, match="--abstain-below 0.0"):
         ttq._step_times(str(path), {**cfg, "methods": ["d-local-mavo"]}, 4)
-    # the streamed vote composes only with an e2e run timed at the same --stream-delay
-    path.write_text(json.dumps({**e2e, "config": {**cfg, "stream_delay": 2},
-                                "results": [{**e2e["results"][0], "method": "d-local-mavo-st"}]}))
-    assert ttq._step_times(str(path), {**cfg, "stream_delay": 2, "methods": ["d-local-mavo-st"]}, 4)[0] == {
-        "d-local-mavo-st": {"50mbit": 20.0}}
-    with pytest.raises(SystemExit, match="--stream-delay None"):
-        ttq._step_times(str(path), {**cfg, "methods": ["d-local-mavo-st"]}, 4)
-    # and the same --fragments
-    path.write_text(json.dumps({**e2e, "config": {**cfg, "fragments": 3},
-                                "results": [{**e2e["results"][0], "method": "d-local-mavo-st"}]}))
-    assert ttq._step_times(str(path), {**cfg, "fragments": 3, "methods": ["d-local-mavo-st"]}, 4)[0] == {
-        "d-local-mavo-st": {"50mbit": 20.0}}
-    with pytest.raises(SystemExit, match="--fragments 1, .* timed the streamed vote with 3"):
-        ttq._step_times(str(path), {**cfg, "methods": ["d-local-mavo-st"]}, 4)
+    # the streamed vote composes only with an e2e run timed at the same --stream-delay and --fragments
+    for key, value, refused in (("stream_delay", 2, "--stream-delay None"),
+                                ("fragments", 3, "--fragments 1, .* timed the streamed vote with 3")):
+        path.write_text(json.dumps({**e2e, "config": {**cfg, key: value},
+                                    "results": [{**e2e["results"][0], "method": "d-local-mavo-st"}]}))
+        assert ttq._step_times(str(path), {**cfg, key: value, "methods": ["d-local-mavo-st"]}, 4)[0] == {
+            "d-local-mavo-st": {"50mbit": 20.0}}
+        with pytest.raises(SystemExit, match=refused):
+            ttq._step_times(str(path), {**cfg, "methods": ["d-local-mavo-st"]}, 4)

@@ -70,6 +70,14 @@ _NOT_APPLICABLE = {
 }
 
 
+def fragments_ending(n: int, warmup: int, H: int, P: int) -> list[int]:
+    """The fragments whose round ends at step n (counted from 1): all during the warm-up, then fragment
+    f at the steps with n − warmup ≡ ⌊f·H/P⌋ (mod H), so that each round of H has P exchanges, evenly spread."""
+    if n <= warmup:
+        return list(range(P))
+    return [f for f in range(P) if (n - warmup - f * H // P) % H == 0 and n - warmup >= max(1, f * H // P)]
+
+
 def split_fragments(sizes: list[int], parts: int) -> list[tuple]:
     """``parts`` contiguous runs of the buckets (``sizes``: their numels), none empty, the largest as
     small as it can be (the smallest cap that a greedy fill, keeping a bucket for each run still to
@@ -281,12 +289,8 @@ class LocalDistributedLion(DistributedLion):
         return n if n <= w else w + (n - w) // self.sync_every
 
     def _ending(self) -> list[int]:
-        """The fragments whose round ends at this step: all during the warm-up, then fragment f at
-        the steps n with n − w ≡ ⌊f·H/P⌋ (mod H), so that each round of H has P exchanges, evenly spread."""
-        n, w, H, P = self.step_count, self.sync_warmup, self.sync_every, self.fragments
-        if n <= w:
-            return list(range(P))
-        return [f for f in range(P) if (n - w - f * H // P) % H == 0 and n - w >= max(1, f * H // P)]
+        """The fragments whose round ends at this step (:func:`fragments_ending`)."""
+        return fragments_ending(self.step_count, self.sync_warmup, self.sync_every, self.fragments)
 
     def fragment_of(self, p: Tensor) -> int:
         """The fragment (0 … fragments − 1) whose exchanges carry parameter ``p`` (0 on one rank)."""

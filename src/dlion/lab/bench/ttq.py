@@ -406,16 +406,12 @@ def _step_times(path: str, cfg: dict, workers: int, phase: str = "rounds") -> tu
     if vote and cfg.get("abstain_below", 0.0) != other.get("abstain_below", 0.0):
         raise SystemExit(f"dlion bench ttq: these curves were trained with --abstain-below {cfg.get('abstain_below', 0.0)}, "
                          f"{path} measured d-local-* with {other.get('abstain_below', 0.0)}: abstentions change the bytes")
-    if (any(split_sync_every(m)[0].endswith("-st") for m in vote) and phase == "rounds"
-            and cfg.get("stream_delay") != other.get("stream_delay")):
-        raise SystemExit(f"dlion bench ttq: these curves were trained with --stream-delay {cfg.get('stream_delay')}, "
-                         f"{path} timed the streamed vote with {other.get('stream_delay')}: the delay decides how much "
-                         "of the exchange hides behind compute")
-    if (any(split_sync_every(m)[0].endswith("-st") for m in vote) and phase == "rounds"
-            and cfg.get("fragments", 1) != other.get("fragments", 1)):
-        raise SystemExit(f"dlion bench ttq: these curves were trained with --fragments {cfg.get('fragments', 1)}, "
-                         f"{path} timed the streamed vote with {other.get('fragments', 1)}: the fragments decide how "
-                         "much of the exchange hides behind compute")
+    streamed = any(split_sync_every(m)[0].endswith("-st") for m in vote) and phase == "rounds"
+    for flag, key, default in (("--stream-delay", "stream_delay", None), ("--fragments", "fragments", 1)):
+        if streamed and cfg.get(key, default) != other.get(key, default):  # (each decides what hides behind compute)
+            raise SystemExit(f"dlion bench ttq: these curves were trained with {flag} {cfg.get(key, default)}, "
+                             f"{path} timed the streamed vote with {other.get(key, default)}: it decides how much "
+                             "of the exchange hides behind compute")
     source = {}  # method trained here -> the e2e result timed at its H
     for m in local:
         want_h = 1 if phase == "warmup" else sync_every_of(m, cfg.get("sync_every", 10))

@@ -32,7 +32,9 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from dlion.buckets import layout_buckets
 from dlion.lion import Lion
+from dlion.local import fragments_ending, split_fragments
 from dlion.vote import VoteRule
 
 from .baselines import TRIT_BITS, BitCounter, alltoall_bits, ring_allreduce_bits
@@ -255,9 +257,6 @@ class LocalVote(LocalMethod):
             raise ValueError("streaming takes none of the outer-step experiments, abstain_below or warmup_H != 1")
         self.streaming, self.fragments = bool(streaming), int(fragments)
         if streaming:
-            from dlion.buckets import layout_buckets
-            from dlion.local import split_fragments
-
             group: dict = {}
             buckets = layout_buckets(self.params, [group] * len(self.params), world_size, bucket_mb,
                                      trainable_only=False)
@@ -295,11 +294,8 @@ class LocalVote(LocalMethod):
         if not self.streaming:
             return super()._end_of_step(lr)
         self.fragment_lr = [s + lr for s in self.fragment_lr]
-        n, w, H, P = self.step_count, self.warmup_steps, self.H, self.fragments
-        if n <= w:
-            ending = list(range(P))
-        else:
-            ending = [f for f in range(P) if (n - w - f * H // P) % H == 0 and n - w >= max(1, f * H // P)]
+        n = self.step_count
+        ending = fragments_ending(n, self.warmup_steps, self.H, self.fragments)
         with torch.no_grad():
             if ending:
                 self._stream_round(ending)
