@@ -98,7 +98,7 @@ def reference_streaming(world, steps, H, vote="mavo", ef=True, alpha=1.0, batche
     """Streaming: round r's vote is applied at the end of round r + 1, replacing each worker's own
     progress of round r; returns the anchor after every step that ends a round or applies one, and
     every worker's parameters at the end (before any flush); ``reset``: every worker's momentum is 0 again
-    at each round's end;
+    where each round's vote is applied;
     ``delay``: round r's vote is applied ``delay`` steps after its end if round r + 1 is longer, and the
     start of round r + 1 (from which its progress is measured) moves with the worker's parameters.
     ``frag[j]``: the fragment (of P) of parameter j; each fragment has its own rounds and S, and the
@@ -122,6 +122,8 @@ def reference_streaming(world, steps, H, vote="mavo", ef=True, alpha=1.0, batche
             for i in range(world):
                 xs[i][j] = new + ((xs[i][j] - anchor[j]) + progress[i][j])
                 starts[i][j] = new + ((starts[i][j] - anchor[j]) + progress[i][j])
+                if reset:  # (where x jumps, not where the round's exchange left)
+                    ms[i][j] = torch.zeros_like(ms[i][j])
             anchor[j] = new
 
     for t in range(steps):
@@ -151,8 +153,6 @@ def reference_streaming(world, steps, H, vote="mavo", ef=True, alpha=1.0, batche
             for i in range(world):
                 starts[i][j] = xs[i][j].clone()
                 progress[i][j] = ds[j][i]
-                if reset:
-                    ms[i][j] = torch.zeros_like(ms[i][j])
                 if touched[i][j] and ef:
                     es[i][j] = cs[i] - cs[i].abs().mean() * torch.sign(cs[i])
                 touched[i][j] = False
@@ -248,7 +248,7 @@ def test_streaming_equals_its_literal_reference(world):
     """streaming=True: round r's exchange runs during round r + 1 and its vote replaces each rank's own
     progress of round r at the end of round r + 1; anchors after every round's end and the local
     parameters at the end equal the reference bitwise on every rank; likewise with every rank's
-    momentum reset at each round's end (``reset_momentum``), the vote applied ``stream_delay`` steps
+    momentum reset where each round's vote is applied (``reset_momentum``), the vote applied ``stream_delay`` steps
     on, and P fragments with rounds of their own (``fragments``)."""
     results = spawn(local_worker, world, STREAMING)
     for c, cfg in enumerate(STREAMING):
@@ -725,7 +725,7 @@ def test_the_lab_simulation_behind_the_charlm_runs_equals_the_library_bitwise(wo
         lab = LocalVote(params, world, cfg.get("H", 3), {"lr": LR, "weight_decay": WD}, {"lion": BETAS}, 0, 9,
                         alpha=cfg["alpha"], vote=cfg["vote"], momentum_reset=cfg["reset"],
                         streaming=cfg.get("P", 0) > 0, fragments=max(cfg.get("P", 0), 1), bucket_mb=0.01,
-                        warmup_steps=cfg.get("W", 0))
+                        warmup_steps=cfg.get("W", 0), reset_at_apply=True)
         for t in range(9):
             lab.step([torch.stack([grads_for(i, t, True)[j].float() for i in range(world)])
                       for j in range(len(params))])

@@ -268,7 +268,8 @@ def test_local_specs():
     assert local_options("dlocal_mavo:5:ef=0") == {"H": 5, "alpha": 1.0, "ef": 0, "ties": "zero", "ob1": 0.0,
                                                    "ob2": 0.0, "ab": 0.0, "esc": 0, "osoft": 0,
                                                    "vote": "mavo", "sw": 0, "h0": 1, "mr": 0,
-                                                   "st": 0, "fr": 1, "bmb": 25.0}
+                                                   "st": 0, "fr": 1, "bmb": 25.0, "sd": -1, "kd": 1.0,
+                                                   "rs": 0, "mix": 0.0, "ra": 0}
     assert (label("dlocal_mavo:25:alpha=0.83:vote=avg:mr=1:st=1:fr=3:bmb=0.5")
             == "D-Local Avg H=25, α=0.83, momenta reset at each sync, streamed in 3 fragments")
     assert canonical("dlocal_mavo:50:h0=10:sw=200:vote=avg") == "dlocal_mavo:50:vote=avg:sw=200:h0=10"
@@ -433,3 +434,39 @@ def test_the_mr_option_resets_every_ranks_momentum_at_a_sync():
         mom = m.inner.state[m.workers[0]]["exp_avg"]
         expected = (1 - b2) * g[2] if mr else (1 - b2) * (b2 * b2 * g[0] + b2 * g[1] + g[2])
         assert torch.allclose(mom, expected, rtol=1e-6, atol=1e-8), mr
+
+
+@pytest.mark.parametrize("mr", [0, 1])
+def test_streamed_with_no_delay_is_the_unstreamed_vote_bitwise(mr):
+    # sd=0 (a diagnostic only the lab has): each round's vote applied as it leaves, whole model; so the
+    # worker's own progress is replaced at once, x = A' + ((x − A) + (A − x)) = A' exactly, as vote_round does
+    g = [torch.randn(4, 6, 5, generator=torch.Generator().manual_seed(k)) for k in range(12)]
+    runs = {}
+    for spec in (f"dlocal_mavo:3:vote=avg:alpha=0.83:mr={mr}", f"dlocal_mavo:3:vote=avg:alpha=0.83:mr={mr}:st=1:sd=0",
+                 f"dlocal_mavo:3:vote=avg:alpha=0.83:mr={mr}:st=1:sd=1"):
+        p = [torch.randn(6, 5, generator=torch.Generator().manual_seed(99))]
+        m = make_method(spec, p, 4, {"lr": 0.01, "weight_decay": 0.1}, "charlm", 0, 12)
+        runs[spec] = []
+        for k in range(12):
+            m.step([g[k]])
+            runs[spec].append((p[0].clone(), m.workers[0].clone()))
+    plain, at_once, late = runs.values()
+    assert all(torch.equal(a, b) and torch.equal(x, y) for (a, x), (b, y) in zip(plain, at_once))
+    assert any(not torch.equal(x, y) for (_, x), (_, y) in zip(plain, late))  # (one step of delay: another path)
+
+
+def test_the_ra_option_resets_the_momenta_where_the_vote_is_applied():
+    # streamed, H = 2, applied 2 steps on (sd=2, at the next round's end): after step 3 the momenta hold the
+    # steps since the round ending at step 2 left with ra=0 (reset there), steps 1–3 with ra=1 (not yet applied)
+    b2 = BETAS["charlm"]["lion"][1]
+    g = [torch.randn(3, 4, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+    for ra in (0, 1):
+        p = [torch.zeros(4)]
+        spec = f"dlocal_mavo:2:mr=1:vote=avg:st=1:ra={ra}"
+        m = make_method(spec, p, 3, {"lr": 0.01, "weight_decay": 0.0}, "charlm", 0, 8)
+        assert ("momenta reset where each vote is applied" in label(spec)) is bool(ra)
+        for k in range(3):
+            m.step([g[k]])
+        mom = m.inner.state[m.workers[0]]["exp_avg"]
+        expected = (1 - b2) * (b2 * b2 * g[0] + b2 * g[1] + g[2]) if ra else (1 - b2) * g[2]
+        assert torch.allclose(mom, expected, rtol=1e-6, atol=1e-8), ra

@@ -150,13 +150,15 @@ class LocalDistributedLion(DistributedLion):
             steps, each of 1/P of the bytes, so that a short ``stream_delay`` still hides it on a
             slow link. Needs at least P buckets (``bucket_cap_mb``); :meth:`fragment_of` tells
             which parameter is in which. 1 (default): the whole model at once.
-        reset_momentum: every rank's Lion momentum back to 0 at the end of every round, once the
-            round's agreed step is applied (``streaming=True``: as this round's exchange leaves, once
-            the round in flight is applied, or earlier with ``stream_delay``), so that each round's
-            local steps start from zero momentum. No bits. Each rank's momentum otherwise carries the
-            direction it took in one round into the next, where the ranks then disagree more (docs/results.md, "The first syncs,
-            traced"). The rounds of ``sync_warmup`` reset too: those steps are sign descent on the
-            gradient. On one rank (no rounds: plain Lion) nothing is reset.
+        reset_momentum: every rank's Lion momentum back to 0 where a round's agreed step is applied
+            (at the end of every round; ``streaming=True``: where the round in flight is applied, when
+            the next round ends or ``stream_delay`` steps on, not where its exchange leaves: the
+            momentum the steps in between build at the point left behind does not carry over), so that
+            the local steps from the agreed point start from zero momentum. No bits. Each rank's
+            momentum otherwise carries the direction it took in one round into the next, where the ranks
+            then disagree more (docs/results.md, "The first syncs, traced"). The rounds of
+            ``sync_warmup`` reset too: those steps are sign descent on the gradient. On one rank (no
+            rounds: plain Lion) nothing is reset.
         abstain_below: τ ≥ 0; a rank abstains where |e + A − x| < τ·S (module docstring). 0: never.
         vote, ties, process_group, comm, aggregate, quant_norm, quant_bits, bucket_cap_mb, seed,
         check_every, nonfinite, momentum_dtype, fused: as :class:`dlion.DistributedLion`;
@@ -432,6 +434,7 @@ class LocalDistributedLion(DistributedLion):
         if self.streaming:  # x ← A + s: the agreed step replaces this rank's own progress of that round
             torch._foreach_add_(ps, b.views(self._slots[k].progress))
             torch._foreach_add_(b.views(self._slots[k].round_start), b.views(self._slots[k].anchor))
+            self._zero_momenta([k])  # (where x jumps: momentum built at the left point does not carry over)
         else:
             self._update_residual(k, present)
 
@@ -554,8 +557,7 @@ class LocalDistributedLion(DistributedLion):
         ks = self._buckets_of(ending)
         self._measure_progress(ks, "round_start")
         self.flush()
-        self._zero_momenta(ks)
-        for k in ks:  # their next round starts here
+        for k in ks:  # their next round starts here (their momenta reset when this round is applied)
             b = self.buckets[k]
             torch._foreach_copy_(b.views(self._slots[k].round_start), [p.detach() for p in b.params])
         sums = {tuple(self._round_lr[f]) for f in ending}  # (several end together only in the warm-up: equal S)

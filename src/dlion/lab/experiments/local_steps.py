@@ -237,22 +237,34 @@ class LocalVote(LocalMethod):
     (5 trits per byte). With ``abstain_below`` τ > 0 (abstain where |e_i| < τ·S) the scattered
     abstentions go as base-3 digits both ways, 1.6 bits each (the library's steady state).
 
-    ``streaming`` (the library's ``streaming=True``, ``stream_delay=None``) with ``fragments`` P: the
+    ``streaming`` (the library's ``streaming=True``, and its ``stream_delay``; 0 here, a diagnostic only the
+    lab has, applies each round at once: fragments synced in turn without a delay) with ``fragments`` P: the
     parameters in the library's P fragments of buckets (``bucket_mb``, as ``bucket_cap_mb``), fragment
     f's rounds ending ⌊f·H/P⌋ steps after fragment 0's; each round's vote is computed where it ends and
-    applied when the next round (of any fragment) ends, replacing each worker's own progress of that
-    round (:meth:`_apply_pending`, the library's operations in its order). After the last step the
-    round in flight is applied, as the library's ``flush()``; the rounds unfinished then stay each
-    worker's own (the anchor, evaluated, leaves them out, as ``anchored()`` does)."""
+    applied when the next round (of any fragment) ends, or ``stream_delay`` steps on, replacing each
+    worker's own progress of that round (:meth:`_apply_pending`, the library's operations in its order).
+    After the last step the round in flight is applied, as the library's ``flush()``; the rounds
+    unfinished then stay each worker's own (the anchor, evaluated, leaves them out, as ``anchored()`` does). With
+    ``momentum_reset``, ``reset_at_apply`` resets the momenta where each vote is applied (the library's
+    rule since 2026-11-28), else where its round ends (the rule before). Diagnostics of what the delay
+    costs, not in the library: ``stream_delay=0`` (each vote applied at once), ``keep_delay`` K (keep only
+    K of the progress made during the delay), ``restart`` (each round starts from the anchor, not from the
+    worker's own end point) and ``mix`` M (x ← M·x + (1 − M)·(A' + s), Streaming DiLoCo's merge)."""
 
     def __init__(self, params, world_size, H, hp, betas, seed, total_steps, *, alpha: float = 1.0,
                  error_feedback: bool = True, ties: str = "zero", outer_betas: tuple = (0.0, 0.0),
                  abstain_below: float = 0.0, error_scale: bool = False, soft_outer: bool = False,
                  vote: str = "mavo", warmup_steps: int = 0, warmup_H: int = 1, momentum_reset: bool = False,
-                 streaming: bool = False, fragments: int = 1, bucket_mb: float = 25.0):
+                 streaming: bool = False, fragments: int = 1, bucket_mb: float = 25.0,
+                 stream_delay: Optional[int] = None, keep_delay: float = 1.0, restart: bool = False,
+                 mix: float = 0.0, reset_at_apply: bool = False):
         super().__init__(params, world_size, H, hp, betas, "lion", total_steps, warmup_steps, warmup_H)
         if fragments != 1 and not streaming:
             raise ValueError("fragments need streaming")
+        if stream_delay is not None and (not streaming or stream_delay < 0):
+            raise ValueError("stream_delay needs streaming and must be >= 0")
+        self.stream_delay, self.keep_delay, self.restart = stream_delay, float(keep_delay), bool(restart)
+        self.mix, self.reset_at_apply = float(mix), bool(reset_at_apply)
         if streaming and (outer_betas[0] > 0 or error_scale or soft_outer or abstain_below or warmup_H != 1):
             raise ValueError("streaming takes none of the outer-step experiments, abstain_below or warmup_H != 1")
         self.streaming, self.fragments = bool(streaming), int(fragments)
@@ -271,6 +283,7 @@ class LocalVote(LocalMethod):
             self.progress = [torch.zeros_like(w) for w in self.workers]
             self.fragment_lr = [0.0] * fragments
             self.pending: Optional[tuple] = None  # (Δ per parameter index, α·S, the parameter indices)
+            self.pending_step = 0
         self.momentum_reset = bool(momentum_reset)
         if vote not in ("mavo", "avg"):
             raise ValueError(f"vote must be 'mavo' or 'avg', got {vote!r}")
@@ -300,6 +313,9 @@ class LocalVote(LocalMethod):
             if ending:
                 self._stream_round(ending)
                 self.syncs += 1
+            if (self.stream_delay is not None and self.pending is not None
+                    and n - self.pending_step >= self.stream_delay):
+                self._apply_pending()  # (0: at once, synchronous fragments, a lab-only diagnostic)
             if n == self.total_steps:
                 self._apply_pending()
         self.round_steps, self.round_lr_sum = 0, 0.0
@@ -310,18 +326,23 @@ class LocalVote(LocalMethod):
         js = [j for j, f in enumerate(self.fragment_of) if f in ending]
         ds = {j: self.round_start[j] - self.workers[j] for j in js}
         self._apply_pending()
-        if self.momentum_reset:
+        if self.momentum_reset and not self.reset_at_apply:
             for j in js:
                 self.inner.state[self.workers[j]]["exp_avg"].zero_()
         deltas = {}
         for j in js:
+            if self.restart:  # the next round starts from the anchor, not from this worker's own end point
+                self.workers[j].copy_(self.params[j].unsqueeze(0).expand_as(self.workers[j]))
             self.round_start[j].copy_(self.workers[j])
             self.progress[j].copy_(ds[j])
+            if self.restart:
+                self.progress[j].zero_()
             s, _ = _signs(ds[j], self.errors[j] if self.errors is not None else None, 0.0)
             deltas[j] = _combine(s, self.vote, self.ties, self.generator)
         if len({self.fragment_lr[f] for f in ending}) != 1:
             raise RuntimeError("fragments ending together with another S")
         self.pending = (deltas, self.alpha * self.fragment_lr[ending[0]], js)
+        self.pending_step = self.step_count
         for f in ending:
             self.fragment_lr[f] = 0.0
         self._count_bits(sum(self.params[j].numel() for j in js))
@@ -337,9 +358,17 @@ class LocalVote(LocalMethod):
             start.sub_(a).add_(done)
             x.sub_(a)
             done.add_(x)
+            before = x.add(a.unsqueeze(0)) if self.mix else None  # (this worker's parameters before the apply)
             a.sub_(deltas[j].mul_(scale))
-            x.copy_(a.unsqueeze(0).expand_as(x)).add_(done)
+            if self.keep_delay != 1.0:  # a diagnostic: keep only this share of the progress since the round ended
+                done.mul_(self.keep_delay)
+            if self.mix:  # a diagnostic: x ← m·x + (1 − m)·(A' + s), Streaming DiLoCo's merge
+                x.copy_(a.unsqueeze(0).expand_as(x)).add_(done).mul_(1 - self.mix).add_(before.mul_(self.mix))
+            else:
+                x.copy_(a.unsqueeze(0).expand_as(x)).add_(done)
             start.add_(a)
+            if self.momentum_reset and self.reset_at_apply:  # the library's rule: the momentum restarts where x jumps
+                self.inner.state[x]["exp_avg"].zero_()
         self.pending = None
 
     def sync(self) -> None:
@@ -367,7 +396,8 @@ class LocalVote(LocalMethod):
         return dict(super().record(), alpha=self.alpha, error_feedback=self.errors is not None, ties=self.ties,
                     outer_betas=list(self.outer_betas), abstain_below=self.abstain_below,
                     error_scale=self.error_scale, soft_outer=self.soft_outer, vote=self.vote,
-                    momentum_reset=self.momentum_reset, streaming=self.streaming, fragments=self.fragments)
+                    momentum_reset=self.momentum_reset, streaming=self.streaming, fragments=self.fragments,
+                    **({"stream_delay": self.stream_delay} if self.stream_delay is not None else {}))
 
 
 class DiLoCo(LocalMethod):

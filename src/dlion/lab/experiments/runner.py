@@ -44,7 +44,14 @@ base                    round (H local steps, then)                             
                         the library's ``reset_momentum=True``)
                         (``st=1``: streamed, each round's vote applied when the next       ``st`` (0), ``fr`` (1),
                         ends; ``fr=P``: in the library's P fragments of buckets of         ``bmb`` (25)
-                        ``bmb`` MB, ``streaming=True, fragments=P``)
+                        ``bmb`` MB, ``streaming=True, fragments=P``; ``sd=τ``:             ``sd`` (none)
+                        ``stream_delay=τ``, and 0 applies at once, a diagnostic;           ``ra`` (0)
+                        ``ra=1``: the momenta reset where each vote is applied, the
+                        library's rule since 2026-11-28; 0: where its exchange leaves,
+                        the rule before; diagnostics of the delay, ``kd=K``: keep only     ``kd`` (1), ``rs`` (0),
+                        K of the progress made during it; ``rs=1``: restart each round     ``mix`` (0)
+                        from the anchor; ``mix=M``: x ← M·x + (1 − M)·(A' + s), Streaming
+                        DiLoCo's merge)
 ``diloco_adamw``        local AdamW; fp32 mean pseudo-gradient → outer Nesterov SGD        ``outer_lr`` (0.7),
                                                                                            ``outer_momentum`` (0.9)
 ``diloco_lion``         local Lion; the same outer step                                   as above
@@ -104,7 +111,7 @@ DEFAULT_H = 10
 # options of a local-step spec, in their canonical order, with defaults
 LOCAL_OPTIONS = {"dlocal_mavo": {"alpha": 1.0, "ef": 1, "ties": "zero", "ob1": 0.0, "ob2": 0.0, "ab": 0.0,
                                  "esc": 0, "osoft": 0, "vote": "mavo", "sw": 0, "h0": 1, "mr": 0,
-                                 "st": 0, "fr": 1, "bmb": 25.0},
+                                 "st": 0, "fr": 1, "bmb": 25.0, "sd": -1, "kd": 1.0, "rs": 0, "mix": 0.0, "ra": 0},
                  **{b: {"outer_lr": 0.7, "outer_momentum": 0.9} for b in LOCAL_METHODS if b.startswith("diloco")}}
 # the every-step method whose tuned lr / weight decay a local-step method takes by default
 LOCAL_TWIN = {"dlocal_mavo": "glion", "diloco_adamw": "gadamw", "diloco_adamw_bf16": "gadamw",
@@ -161,11 +168,11 @@ def local_options(spec: str) -> dict:
             if value not in ("mavo", "avg"):
                 raise ValueError(f"vote must be mavo or avg, got {spec!r}")
             out[key] = value
-        elif key in ("sw", "h0", "fr"):
+        elif key in ("sw", "h0", "fr", "sd"):
             if not value.isdigit() or (key in ("h0", "fr") and int(value) < 1):
                 raise ValueError(f"{key} must be an integer >= {0 if key == 'sw' else 1}, got {spec!r}")
             out[key] = int(value)
-        elif key in ("ef", "esc", "osoft", "mr", "st"):
+        elif key in ("ef", "esc", "osoft", "mr", "st", "rs", "ra"):
             if value not in ("0", "1"):
                 raise ValueError(f"{key} must be 0 or 1, got {spec!r}")
             out[key] = int(value)
@@ -175,7 +182,7 @@ def local_options(spec: str) -> dict:
             except ValueError:
                 v = float("nan")
             ok = (0 <= v < 1 if key in ("outer_momentum", "ob1", "ob2") else 0 <= v < float("inf") if key == "ab"
-                  else v > 0)
+                  else 0 <= v <= 1 if key in ("kd", "mix") else v > 0)
             if not ok:
                 raise ValueError(f"bad {key} in {spec!r}")
             out[key] = v
@@ -314,6 +321,16 @@ def label(spec: str, legacy: bool = False) -> str:
             text += ", momenta reset at each sync"
         if opts.get("st", 0):
             text += ", streamed" + (f" in {opts['fr']} fragments" if opts.get("fr", 1) > 1 else "")
+            if opts.get("sd", -1) >= 0:
+                text += f", applied {opts['sd']} steps on" if opts["sd"] else ", applied at once"
+            if opts.get("ra", 0):
+                text = text.replace("momenta reset at each sync", "momenta reset where each vote is applied")
+            if opts.get("rs", 0):
+                text += ", each round restarted from the anchor"
+            if opts.get("kd", 1.0) != 1.0:
+                text += f", {opts['kd']:g} of the progress during the delay kept"
+            if opts.get("mix", 0.0):
+                text += f", merged {opts['mix']:g} : {1 - opts['mix']:g} with the worker's parameters"
         if opts.get("outer_lr", 0.7) != 0.7:
             text += f", outer lr {opts['outer_lr']:g}"
         if opts.get("outer_momentum", 0.9) != 0.9:
@@ -497,7 +514,10 @@ def make_method(spec, params, world_size, hp, task_name, seed, total_steps):
                                error_feedback=bool(o["ef"]), ties=o["ties"], outer_betas=(o["ob1"], o["ob2"]),
                                abstain_below=o["ab"], error_scale=bool(o["esc"]), soft_outer=bool(o["osoft"]),
                                vote=o["vote"], warmup_steps=o["sw"], warmup_H=o["h0"], momentum_reset=bool(o["mr"]),
-                               streaming=bool(o["st"]), fragments=o["fr"], bucket_mb=o["bmb"])
+                               streaming=bool(o["st"]), fragments=o["fr"], bucket_mb=o["bmb"],
+                               stream_delay=None if o["sd"] < 0 else o["sd"], keep_delay=o["kd"],
+                               restart=bool(o["rs"]), mix=o["mix"],
+                               reset_at_apply=bool(o["ra"]))
         return L.DiLoCo(params, world_size, o["H"], hp, betas, seed, total_steps,
                         inner="adamw" if "adamw" in name else "lion", bf16=name.endswith("_bf16"),
                         outer_lr=o["outer_lr"], outer_momentum=o["outer_momentum"])
