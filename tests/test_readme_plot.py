@@ -30,6 +30,7 @@ def test_time_to_target_matches_the_committed_seed_summaries(doc):
                  "d-local-mavo-ab0.5": "ttq-heldout-x16/seeds-ab0.5/ttq_seeds.json",  # (each its own e2e run)
                  "d-local-avg": "ttq-heldout-x16/seeds-avg-h50-reset/ttq_seeds.json",
                  "d-local-avg-h25": "ttq-heldout-x16/seeds-avg-h25-reset/ttq_seeds.json",
+                 "d-local-avg-st": "ttq-heldout-x16/seeds-avg-st-h25-f3-ra/ttq_seeds.json",
                  "diloco-adamw-bf16": "ttq-heldout-x16/seeds-diloco-bf16-h100/ttq_seeds.json"}
     for p in doc["panels"]:
         for row in p["methods"]:
@@ -70,6 +71,10 @@ def test_the_lead_and_the_loss_read_in_the_readme(doc):
     assert (h25["seeds_reaching"], h25["seeds_run"]) == (5, 5)
     assert max(h25["steps"]) < min(x16["diloco-adamw-bf16"]["steps"])
     assert h25["max_s"] < x16["diloco-adamw-bf16"]["min_s"]
+    # streamed in 3 fragments (its own e2e run, the step at compute-only): all five, each sooner than any H = 25 seed
+    st = x16["d-local-avg-st"]
+    assert (st["seeds_reaching"], st["seeds_run"]) == (5, 5)
+    assert st["max_s"] < h25["min_s"]
 
 
 def test_curves_are_median_and_range_of_the_raw_curves(doc):
