@@ -326,17 +326,14 @@ class LocalVote(LocalMethod):
         js = [j for j, f in enumerate(self.fragment_of) if f in ending]
         ds = {j: self.round_start[j] - self.workers[j] for j in js}
         self._apply_pending()
-        if self.momentum_reset and not self.reset_at_apply:
-            for j in js:
-                self.inner.state[self.workers[j]]["exp_avg"].zero_()
+        if not self.reset_at_apply:
+            self._zero_momenta(js)
         deltas = {}
         for j in js:
             if self.restart:  # the next round starts from the anchor, not from this worker's own end point
                 self.workers[j].copy_(self.params[j].unsqueeze(0).expand_as(self.workers[j]))
             self.round_start[j].copy_(self.workers[j])
-            self.progress[j].copy_(ds[j])
-            if self.restart:
-                self.progress[j].zero_()
+            self.progress[j].copy_(ds[j]) if not self.restart else self.progress[j].zero_()
             s, _ = _signs(ds[j], self.errors[j] if self.errors is not None else None, 0.0)
             deltas[j] = _combine(s, self.vote, self.ties, self.generator)
         if len({self.fragment_lr[f] for f in ending}) != 1:
@@ -367,18 +364,22 @@ class LocalVote(LocalMethod):
             else:
                 x.copy_(a.unsqueeze(0).expand_as(x)).add_(done)
             start.add_(a)
-            if self.momentum_reset and self.reset_at_apply:  # the library's rule: the momentum restarts where x jumps
-                self.inner.state[x]["exp_avg"].zero_()
+        if self.reset_at_apply:  # the library's rule: the momenta restart where x jumps
+            self._zero_momenta(js)
         self.pending = None
+
+    def _zero_momenta(self, js) -> None:
+        """``momentum_reset``: the Lion momenta of the parameters ``js`` back to 0 on every worker."""
+        if self.momentum_reset:
+            for j in js:
+                self.inner.state[self.workers[j]]["exp_avg"].zero_()
 
     def sync(self) -> None:
         outer = (*self.outer_betas, self.outer_moms) if self.outer_moms is not None else None
         vote_round(self.params, self.workers, self.errors, self.alpha * self.round_lr_sum, self.ties,
                    self.generator, outer, abstain_below=self.abstain_below * self.round_lr_sum,
                    error_scale=self.alpha if self.error_scale else None, soft_outer=self.soft_outer, vote=self.vote)
-        if self.momentum_reset:  # every rank's Lion momentum back to 0 at every sync (the library's reset_momentum=True)
-            for state in self.inner.state.values():
-                state["exp_avg"].zero_()
+        self._zero_momenta(range(len(self.workers)))  # at every sync (the library's reset_momentum=True)
         self._count_bits(self.bits_counter.num_params)
 
     def _count_bits(self, d: int) -> None:
