@@ -357,7 +357,7 @@ def local_join_worker(rank, world):
         opt = dlion.LocalDistributedLion(params, lr=LR, betas=BETAS, weight_decay=WD, sync_every=case["H"],
                                          vote=case.get("vote", "mavo"), streaming=case.get("streaming", False),
                                          fragments=case.get("P", 1), bucket_cap_mb=0.01 if case.get("P") else 25.0,
-                                         comm="1bit", seed=3, check_every=1)
+                                         outer_scale=1.0, reset_momentum=False, comm="1bit", seed=3, check_every=1)
 
         def snap():
             local = _snapshot(params)

@@ -177,7 +177,8 @@ def local_worker(rank, world):
     """LocalDistributedLion, H = 2: after every step this rank's parameters, momenta and skip count;
     after every sync the anchor."""
     params = [p.requires_grad_() for p in init_params(rank)]
-    opt = dlion.LocalDistributedLion(params, lr=LR, betas=BETAS, weight_decay=WD, sync_every=2, comm="1bit")
+    opt = dlion.LocalDistributedLion(params, lr=LR, betas=BETAS, weight_decay=WD, sync_every=2, comm="1bit",
+                                     vote="mavo", outer_scale=1.0, reset_momentum=False)
     trace, anchors = [], {}
     for t in range(STEPS):
         for p, g in zip(params, grads_for(rank, t, True)):

@@ -4,7 +4,7 @@ Distributed Lion (Liu et al. 2024, arXiv 2404.00438) with Lion Cub's communicati
 (Ishikawa et al. 2024, arXiv 2411.16462), on plain ``torch.distributed``.
 """
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 from .lion import Lion
 from .distributed import DistributedLion

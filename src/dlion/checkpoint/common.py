@@ -131,7 +131,8 @@ def _check_model(path: str, saved: dict, model: nn.Module) -> None:
 
 def _mean_state(states: list[dict], src: dict) -> dict:
     """Element-wise mean over ranks of every floating tensor of ndim ≥ 1 in the per-parameter
-    state (a rank without the entry counts as zero); everything else from ``src``."""
+    state (a rank without the entry counts as zero; one that every rank holds bitwise alike is kept
+    as it is, not rounded through a mean); everything else from ``src``."""
     n = len(states)
     out = {"state": {}, "param_groups": src["param_groups"]}
     if "dlion" in src:
@@ -145,6 +146,9 @@ def _mean_state(states: list[dict], src: dict) -> dict:
             vals = [p[name] for p in per if name in p]
             ref = base.get(name, vals[0])
             if isinstance(ref, torch.Tensor) and ref.is_floating_point() and ref.dim() >= 1:
+                if len(vals) == n and all(torch.equal(v, vals[0]) for v in vals[1:]):
+                    entry[name] = vals[0].clone()  # (what every rank holds, e.g. the local-step anchor: exact)
+                    continue
                 total = torch.zeros(ref.shape, dtype=torch.float64)
                 for v in vals:
                     total += v.to(torch.float64)

@@ -158,7 +158,8 @@ class _ShardedSource:
 
     def mean_state(self, src: int) -> dict:
         """Like :func:`_mean_state` over the N saved ranks, reading one group of tensors of one
-        rank at a time (memory: this rank's result plus one fp64 accumulator group)."""
+        rank at a time (memory: this rank's result plus one fp64 accumulator group, and the first
+        rank's copy of it to keep what every rank holds alike exact)."""
         n = self.world_size
         entries = [self._rank_entry(r) for r in range(n)]
         base_sd = entries[src]["optimizer"]
@@ -186,7 +187,7 @@ class _ShardedSource:
         if cur:
             groups.append(cur)
         for keys in groups:
-            totals, dtypes = {}, {}
+            totals, dtypes, firsts, alike = {}, {}, {}, {}
             for r in range(n):
                 mine = [k for k in keys if r in owners[k]]
                 got = self._read_chunked([_momentum_key(r, *k) for k in mine])
@@ -194,12 +195,17 @@ class _ShardedSource:
                     v = got[_momentum_key(r, *k)]
                     if k not in totals:
                         totals[k] = torch.zeros(v.shape, dtype=torch.float64)
-                        dtypes[k] = v.dtype
+                        dtypes[k], firsts[k], alike[k] = v.dtype, v, True
+                    elif alike[k]:
+                        alike[k] = torch.equal(v, firsts[k])
                     if r == src:
                         dtypes[k] = v.dtype
                     totals[k] += v.to(torch.float64)
             for (pid, name), total in totals.items():
-                state[pid][name] = (total / n).to(dtypes[(pid, name)])
+                if alike[(pid, name)] and len(owners[(pid, name)]) == n:  # (every rank's alike: kept exact)
+                    state[pid][name] = firsts[(pid, name)].clone()
+                else:
+                    state[pid][name] = (total / n).to(dtypes[(pid, name)])
         return dict(base_sd, state=state)
 
     def rng(self, r: int):
