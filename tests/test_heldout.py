@@ -103,3 +103,15 @@ def test_a_local_method_at_another_h_is_a_method_of_its_own(tmp_path):
     assert {m: c["lr"] for m, c in chosen.items()} == {"d-local-avg": 1e-4, "d-local-avg H=50": 2e-4,
                                                        "d-local-avg H=50 α=0.67": 3e-4,
                                                        "d-local-avg H=50 α=0.67 reset": 2e-4, "g-lion": 1e-4}
+
+
+def test_a_streamed_local_method_at_another_delay_or_fragments_is_a_method_of_its_own(tmp_path):
+    for name, extra, lr in (("plain", {}, 1e-4), ("tau", {"stream_delay": 11}, 2e-4),
+                            ("frag", {"stream_delay": None, "fragments": 3}, 3e-4)):
+        _write(tmp_path, name, {"d-local-avg-st": [[0, 3.0], [10, 2.0]]}, lr)
+        doc = json.loads((tmp_path / name / "ttq_results.json").read_text())
+        doc["config"].update(sync_every=25, **extra)
+        (tmp_path / name / "ttq_results.json").write_text(json.dumps(doc))
+    chosen = heldout.choose(heldout.rows_of(str(tmp_path), 2.1))
+    assert {m: c["lr"] for m, c in chosen.items()} == {"d-local-avg-st H=25": 1e-4, "d-local-avg-st H=25 τ=11": 2e-4,
+                                                       "d-local-avg-st H=25 P=3": 3e-4}

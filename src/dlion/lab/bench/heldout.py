@@ -16,7 +16,8 @@ Stages 1 and 2 count only runs without abstentions, so a stage-3 run never moves
 Reads every ``DIR/*/ttq_results.json`` whose config has seed 100 (its lr, warm-up and method names
 from the file itself; a method that talks every H steps run at another H than the default 10 is a
 method of its own, ``NAME H=50``, and so is the local vote at another ``--outer-scale``, ``NAME H=50 α=0.67``,
-and with ``--reset-momentum``, ``NAME H=50 α=0.83 reset``) and writes ``tune_seed100.json`` and ``tune_seed100.txt`` into DIR::
+and with ``--reset-momentum``, ``NAME H=50 α=0.83 reset``; streamed, with ``--stream-delay`` or ``--fragments``,
+``NAME … τ=11`` or ``NAME … P=3``) and writes ``tune_seed100.json`` and ``tune_seed100.txt`` into DIR::
 
     python -m dlion.lab.bench.heldout docs/results/ttq-heldout
 """
@@ -56,6 +57,11 @@ def rows_of(root: str, target: float) -> list:
                 method = f"{method} α={float(cfg['outer_scale']):g}"
             if method.startswith("d-local-") and cfg.get("reset_momentum"):
                 method = f"{method} reset"
+            if method.startswith("d-local-") and method.split()[0].endswith("-st"):  # (when the vote is applied)
+                if cfg.get("stream_delay") is not None:
+                    method = f"{method} τ={int(cfg['stream_delay'])}"
+                if int(cfg.get("fragments", 1)) > 1:
+                    method = f"{method} P={int(cfg['fragments'])}"
             rows.append({"method": method, "lr": float(cfg["lr"]), "warmup": float(cfg["warmup_frac"]),
                          "abstain_below": float(cfg.get("abstain_below", 0.0)),
                          "steps_to_target": next((s for s, v in curve if v <= target), None),
