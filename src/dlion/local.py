@@ -6,13 +6,13 @@ their progress over the round, through the same algorithm objects, buckets and
 failure flags as every-step :class:`dlion.DistributedLion`. Per round, on rank i
 (A: the anchor, the parameters agreed at the last sync, identical on every rank)::
 
-    x_i ← H Lion steps from A (lr η_t, weight decay λ, momentum m_i kept across rounds,
-                               or reset to 0 at each round's start: reset_momentum=True)
+    x_i ← H Lion steps from A (lr η_t, weight decay λ, momentum m_i reset to 0 at each round's
+                               start: reset_momentum=True, the default; or kept across rounds)
     S   = Σ η_t over the round's steps                      # identical on every rank
     e_i ← e_i + (A − x_i)                                   # error feedback (e_i = 0 at first)
     s_i = sign(e_i)·[|e_i| ≥ τ·S]                           # 1 bit per coordinate on the wire (τ = 0)
     e_i ← e_i − mean(|e_i|)·s_i                             # per tensor: what the sign kept leaves
-    Δ   = rule(s_1 … s_N)                                   # majority vote (or mean), as every step
+    Δ   = rule(s_1 … s_N)                                   # mean (default) or majority vote, as every step
     A   ← A − α·S·Δ ;  x_i ← A                              # identical on every rank
 
 A rank that had no gradient for a parameter during the whole round abstains on it
@@ -29,8 +29,9 @@ ending at staggered steps, so that an exchange of 1/P of the bytes leaves every 
 
 Bytes: what one :class:`DistributedLion` step of the same algorithm moves, once per round
 (``comm_stats`` counts every step, so ``bits_per_param_per_step`` is the amortised figure): for
-``comm="1bit"`` at N = 4, about 1.52/H bits per parameter sent per step (random ties) and 1.96/H
-with ``ties="zero"`` (trits back); in fragments, the same per round.
+``comm="1bit"`` at N = 4, 3/H bits per parameter sent per step with ``vote="avg"`` (the default: 1 bit
+up, the sum of 4 signs back in 3 bits, 3/4 of each), and with the majority vote about 1.52/H
+(random ties) or 1.96/H (``ties="zero"``: trits back); in fragments, the same per round.
 """
 
 from __future__ import annotations
@@ -127,10 +128,10 @@ class LocalDistributedLion(DistributedLion):
     :meth:`anchored` see the anchor, so a checkpoint may be taken at any step and resumes bitwise
     (each rank's local parameters, momentum and residual travel in its optimizer state).
 
-    The defaults are the setting measured best for few bits at full quality (docs/results.md, "Talking
-    every H steps"): the signs averaged (``vote="avg"``) every 32 steps, outer scale 0.83, the momenta
-    reset where each round's step is applied, lr 3e-4: at N = 4 3 bits per parameter per round, 0.094 per
-    step. Averaged signs want about the lr of every-step averaged D-Lion, some 3× the majority vote's:
+    The defaults are the setting measured best for few bits at full quality (docs/results.md, "The
+    defaults: H = 32"; G-Lion's loss there): the signs averaged (``vote="avg"``) every 32 steps,
+    outer scale 0.83, the momenta reset where each round's step is applied, lr 3e-4: at N = 4
+    3 bits per parameter per round, 0.094 per step. Averaged signs want about the lr of every-step averaged D-Lion, some 3× the majority vote's:
     give this lr, not single-worker Lion's, or choose ``vote="mavo", sync_every=10, outer_scale=1,
     reset_momentum=False`` (the defaults of 0.2) for Lion's.
 
