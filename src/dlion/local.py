@@ -131,9 +131,9 @@ class LocalDistributedLion(DistributedLion):
     The defaults are the setting measured best for few bits at full quality (docs/results.md, "The
     defaults: H = 32"; G-Lion's loss there): the signs averaged (``vote="avg"``) every 32 steps,
     outer scale 0.83, the momenta reset where each round's step is applied, lr 3e-4: at N = 4
-    3 bits per parameter per round, 0.094 per step. Averaged signs want about the lr of every-step averaged D-Lion, some 3× the majority vote's:
-    give this lr, not single-worker Lion's, or choose ``vote="mavo", sync_every=10, outer_scale=1,
-    reset_momentum=False`` (the defaults of 0.2) for Lion's.
+    3 bits per parameter per round, 0.094 per step. Averaged signs want about the lr of every-step
+    averaged D-Lion, some 3× the majority vote's: give this lr, not single-worker Lion's, or choose
+    ``vote="mavo", sync_every=10, outer_scale=1, reset_momentum=False`` (the defaults of 0.2) for Lion's.
 
     Args (beyond those of :class:`dlion.Lion`):
         lr: the inner Lion steps' lr; the outer step is α·S with S their sum over the round.
