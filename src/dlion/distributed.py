@@ -493,6 +493,10 @@ class DistributedLion(DistributedBase):
             flight.outcomes = flight.step.pipeline.finish()
         self.comm_stats.wait_s += flight.step.pipeline.blocked
 
+    def _divisor(self) -> int:
+        """What the codes of a step are divided by: the ranks' count for the mean of their signs, else 1."""
+        return self.world_size if self.rule.vote == "avg" else 1
+
     def _pending_state(self) -> Optional[dict]:
         """The settled step not yet applied (delay=1), per parameter, so that a checkpoint taken
         between two steps loses nothing and resumes on any bucket layout: its codes (parameter
@@ -511,7 +515,7 @@ class DistributedLion(DistributedBase):
                 if has_grad[i] and o.codes is not None:
                     codes[i] = o.codes[off:off + n].view(b.params[j].shape).cpu().clone()
         return {"step": step_no, "skip": any(o.nonfinite for o in outcomes), "codes": codes, "has_grad": has_grad,
-                "divisor": self.world_size if self.rule.vote == "avg" else 1}
+                "divisor": self._divisor()}
 
     def _load_pending(self, pending: dict) -> None:
         """Restore a saved :meth:`_pending_state`: with the same layout and divisor, as the step the
@@ -539,7 +543,7 @@ class DistributedLion(DistributedBase):
         for k, o in zip(ks, outcomes):
             present[k] = o.has_grad.tolist()
         settled = _Settled(present, ks)
-        if divisor == (self.world_size if self.rule.vote == "avg" else 1):
+        if divisor == self._divisor():
             self._in_flight = _InFlight(step_no, settled, outcomes)
             return
         # another world size with vote="avg": the codes are sums over the saved ranks; apply them now
@@ -629,7 +633,7 @@ class DistributedLion(DistributedBase):
             if not (fused and o.signs is not None and apply_signs(b, o.signs, active, group["lr"],
                                                                    group["weight_decay"])):
                 apply_codes(b, o.codes, active, buf.work, buf.work_views, group["lr"], group["weight_decay"],
-                            self.world_size if self.rule.vote == "avg" else 1, fused=fused)
+                            self._divisor(), fused=fused)
             self._slots[k].steps.add_(o.has_grad.to(self._slots[k].steps.dtype))
         last = self._slots[k].buffers.last_vote
         if last is not None:  # ties="previous": this step's codes are the next step's tie-breakers

@@ -613,10 +613,6 @@ class LocalDistributedLion(DistributedLion):
             return self.step(closure)
         return self._step_and_sync(closure, skip=found)
 
-    def _divisor(self) -> int:
-        """What a round's codes are divided by: the ranks' count for the mean of their signs, else 1."""
-        return self.world_size if self.rule.vote == "avg" else 1
-
     def _pending_state(self):
         """As :class:`DistributedLion`'s, with the divisor of the round in flight (a round restored from
         another world size keeps the saved ranks' count)."""
