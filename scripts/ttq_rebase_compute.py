@@ -16,7 +16,8 @@ competitors moved the same way (this script's own outputs, e.g. DiLoCo at H = 10
 import argparse
 import json
 
-LINKS = {"50mbit": "3125kbit", "100mbit": "6250kbit", "1gbit": "62500kbit"}
+RATES = ("50mbit", "100mbit", "1gbit")
+RAW_X16 = "3125kbit,6250kbit,62500kbit"  # the 16x host's: each rate / 16
 
 
 def main(argv=None) -> int:
@@ -30,10 +31,17 @@ def main(argv=None) -> int:
     ap.add_argument("--rebased-others", nargs="+", default=[], metavar="R",
                     help="outputs of this script (other methods already moved onto --ref's compute step)")
     ap.add_argument("--speedup", type=float, default=16.0)
-    ap.add_argument("--links", nargs="+", choices=list(LINKS), default=list(LINKS),
+    ap.add_argument("--raw-links", default=RAW_X16,
+                    help="the e2e runs' link names for 50 Mbit/s, 100 Mbit/s and 1 Gbit/s, in that order (default "
+                         f"{RAW_X16}, the 16x host's; the 4x host's: 12500kbit,25mbit,250mbit)")
+    ap.add_argument("--links", nargs="+", choices=list(RATES), default=list(RATES),
                     help="only these rates (an --own run that timed only some); default all three")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
+    raw_links = a.raw_links.split(",")
+    if len(raw_links) != len(RATES):
+        ap.error(f"--raw-links needs {len(RATES)} names, got {a.raw_links!r}")
+    links = dict(zip(RATES, raw_links))
     def ms(path):
         return {(r["method"], r["link"]): r["ms_mean"] / a.speedup for r in json.load(open(path))["results"]}
 
@@ -45,13 +53,13 @@ def main(argv=None) -> int:
             others[f"{path}:{m}"] = r["time_to_target_s"]
     for path in a.rebased_others:
         doc = json.load(open(path))
-        if any(doc["links"][link]["ref_compute_ms"] != ref[("compute", LINKS[link])] for link in a.links):
+        if any(doc["links"][link]["ref_compute_ms"] != ref[("compute", links[link])] for link in a.links):
             raise SystemExit(f"{path} was moved onto another compute step than --ref's")
         others[f"{path}:{doc['command_inputs']['method']}"] = {
             link: [r["time_s"] for r in v["seeds"]] for link, v in doc["links"].items()}
     out = {"command_inputs": vars(a), "steps_to_target": steps, "links": {}}
     for link in a.links:
-        raw = LINKS[link]
+        raw = links[link]
         step_ms = own[(a.e2e_method, raw)] - own[("compute", raw)] + ref[("compute", raw)]
         rows = []
         for i, n in enumerate(steps):

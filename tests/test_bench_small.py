@@ -200,3 +200,16 @@ def test_ttq_rebase_compute_script_moves_a_method_onto_another_runs_compute_step
                    check=True, capture_output=True, timeout=60)
     doc = json.loads(out3.read_text())
     assert list(doc["links"]) == ["100mbit"] and doc["links"]["100mbit"]["step_ms"] == (316.0 - 300.0 + 160.0) / 16
+    # --raw-links / --speedup: the 4x host's runs (links 4x slower than the rates they stand for)
+    x4 = ("12500kbit", "25mbit", "250mbit")
+    paths["own"].write_text(json.dumps(e2e({**{("compute", k): 100.0 for k in x4},
+                                             **{("d-local-avg", k): 120.0 + i for i, k in enumerate(x4)}})))
+    paths["ref"].write_text(json.dumps(e2e({("compute", k): 80.0 for k in x4})))
+    out4 = tmp_path / "out4.json"
+    subprocess.run([sys.executable, str(script), "--steps-json", str(paths["mine"]), "--method", "m|reset_momentum",
+                    "--own", str(paths["own"]), "--ref", str(paths["ref"]), "--others", str(paths["other"]),
+                    "--raw-links", ",".join(x4), "--speedup", "4", "--out", str(out4)],
+                   check=True, capture_output=True, timeout=60)
+    doc = json.loads(out4.read_text())
+    assert [doc["links"][r]["step_ms"] for r in ("50mbit", "100mbit", "1gbit")] == [25.0, 25.25, 25.5]
+    assert doc["links"]["1gbit"]["seeds"][0]["time_s"] == 2.55  # 100 steps x 25.5 ms

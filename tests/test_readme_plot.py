@@ -30,6 +30,7 @@ def test_time_to_target_matches_the_committed_seed_summaries(doc):
                  "d-local-mavo-ab0.5": "ttq-heldout-x16/seeds-ab0.5/ttq_seeds.json",  # (each its own e2e run)
                  "d-local-avg": "ttq-heldout-x16/seeds-avg-h50-reset/ttq_seeds.json",
                  "d-local-avg-h25": "ttq-heldout-x16/seeds-avg-h25-reset/ttq_seeds.json",
+                 "d-local-avg-h32": "ttq-heldout-x16/seeds-avg-h32-reset/ttq_seeds.json",
                  "d-local-avg-st": "ttq-heldout-x16/seeds-avg-st-h25-f3-ra/ttq_seeds.json",
                  "diloco-adamw-bf16": "ttq-heldout-x16/seeds-diloco-bf16-h100/ttq_seeds.json"}
     for p in doc["panels"]:
