@@ -122,8 +122,11 @@ def test_file_layout_and_metadata(tmp_path):
     assert raw.startswith(checkpoint.MAGIC) and b"DLION-SHA256 " in raw[-100:]
     obj = checkpoint.read(tmp_path / "c.pt")
     assert obj["version"] == checkpoint.FORMAT_VERSION and obj["world_size"] == 1 and obj["step"] == 2
+    # make_opt's settings and the other constructor defaults (every one recorded since 0.3)
     assert obj["optimizer_config"] == {"vote": "mavo", "ties": "random", "seed": 3, "aggregate": "sign",
-                                       "world_size": 1}
+                                       "world_size": 1, "comm": "1bit", "quant_norm": "l1", "quant_bits": 8,
+                                       "momentum_sync": "4", "bucket_cap_mb": 25.0, "check_every": 0,
+                                       "nonfinite": "skip", "momentum_dtype": "None", "overlap": False, "delay": 0}
     assert len(obj["optimizer"]) == 1 and len(obj["rng"]) == 1
     assert os.listdir(tmp_path) == ["c.pt"]  # no temporary files left behind
     umask = os.umask(0); os.umask(umask)

@@ -545,6 +545,64 @@ def test_fragments_checkpoint_resumes_bitwise_and_at_another_world_size(tmp_path
     assert all(torch.equal(x, y) for x, y in zip(other[0][0], other[1][0]))  # the anchors agree
 
 
+def options_worker(rank, world, path):
+    import warnings
+    from dlion import checkpoint
+
+    model = torch.nn.Module()
+    for j, p in enumerate(init_params(rank)):
+        model.register_parameter(f"p{j}", torch.nn.Parameter(p.detach().clone()))
+
+    def build(**kwargs):
+        return dlion.LocalDistributedLion(model.named_parameters(), **kwargs)
+
+    old_defaults = dict(vote="mavo", sync_every=10, outer_scale=1, reset_momentum=False)
+    opt = build(lr=1e-4, **old_defaults)
+    for t in range(2):
+        for p, g in zip(model.parameters(), grads_for(rank, t, False)):
+            p.grad = None if g is None else g.clone()
+        opt.step()
+    sd = opt.state_dict()
+    sd_0_2 = {**sd, "dlion": {k: v for k, v in sd["dlion"].items() if k != "options"}}  # as 0.2 saved it
+    checkpoint.save(path, model, opt, step=2)
+
+    def caught(load):
+        with warnings.catch_warnings(record=True) as ws:
+            warnings.simplefilter("always")
+            out = load()
+        return [(w.category.__name__, str(w.message)) for w in ws if issubclass(w.category, UserWarning)], out
+
+    def messages(sd, **kwargs):
+        return [m for _, m in caught(lambda: build(**kwargs).load_state_dict(sd))[0]]
+
+    through_file, info = caught(lambda: checkpoint.load(path, model, build()))
+    try:
+        checkpoint.load(path, model, build(), strict=True)
+        strict = None
+    except checkpoint.CheckpointError as e:
+        strict = str(e)
+    return {"defaults": messages(sd), "same": messages(sd, **old_defaults), "v0.2": messages(sd_0_2),
+            "v0.2 same": messages(sd_0_2, **old_defaults), "file": through_file, "changes": info.config_changes,
+            "strict": strict}
+
+
+def test_loading_under_other_settings_warns_with_the_differences(tmp_path):
+    changes = {"vote": ("mavo", "avg"), "sync_every": (10, 32), "outer_scale": (1.0, 0.83),
+               "reset_momentum": (False, True)}
+    for out in spawn(options_worker, 2, str(tmp_path / "ckpt.pt")):
+        assert out["same"] == [] and out["v0.2 same"] == []
+        (msg,) = out["defaults"]
+        for k, (a, b) in changes.items():
+            assert f"{k}={a!r} -> {b!r}" in msg, msg
+        (msg,) = out["v0.2"]
+        assert "saved before dlion 0.3" in msg and "vote='avg', sync_every=32, outer_scale=0.83" in msg, msg
+        # through dlion.checkpoint: one report (its own, with strict=True an error), not the optimizer's as well
+        assert out["changes"] == changes
+        (kind, msg), = out["file"]
+        assert kind == "CheckpointWarning" and "sync_every: 10 -> 32" in msg, msg
+        assert out["strict"] is not None and "reset_momentum: False -> True" in out["strict"]
+
+
 def fragment_bytes_worker(rank, world):
     torch.manual_seed(0)
     backbone, head = torch.nn.Linear(300, 300), torch.nn.Linear(300, 20)

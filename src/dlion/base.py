@@ -523,10 +523,13 @@ class DistributedBase(Lion, Joinable):
         return {"step_count": self.step_count, "comm_stats": self.comm_stats.state_dict(),
                 "world_size": self.world_size, "rank": self.rank, "vote": self.rule.vote, "ties": self.rule.ties,
                 "seed": self.seed, "aggregate": self.aggregate, "skipped_steps": self.skipped_steps,
+                # the settings of the rule (since 0.3), so a resume under other ones says so
+                "options": self._options(),
                 # the agreed wire formats (identical on every rank), so a resumed run sends the same bytes
                 "wire": [(s.wire.up, s.wire.down) for s in self._slots]}
 
     def _load_record(self, extra: dict) -> None:
+        self._warn_if_options_changed(extra)
         self.comm_stats.load_state_dict(extra["comm_stats"])
         self.step_count = int(extra.get("step_count", self.comm_stats.steps))
         self.skipped_steps = int(extra.get("skipped_steps", 0))
@@ -606,3 +609,24 @@ class DistributedBase(Lion, Joinable):
                 f"{name} cannot load this state: it was saved by {_KINDS[kind]}; this optimizer is "
                 f"{_KINDS[self._STATE_KIND].split(',')[0]}. Resume with the optimizer that saved it.")
         self._check_position(extra, from_rank)
+
+    def _option_changes(self, extra: dict) -> dict:
+        """{option: (saved, this optimizer's)} for each setting that differs from those a state
+        was saved with (since 0.3 a state records them all; before, none)."""
+        saved = extra.get("options")
+        if not isinstance(saved, dict):
+            return {}
+        mine = self._options()
+        return {k: (saved[k], mine[k]) for k in mine if k in saved and saved[k] != mine[k]}
+
+    def _warn_if_options_changed(self, extra: dict) -> None:
+        """Warn (not raise: a new H or ties policy may be meant) when this optimizer's settings differ
+        from those the state was saved with; they are not restored, only ``lr`` and the betas
+        (``param_groups``) are. Quiet under :func:`dlion.checkpoint.load`, which reports the same
+        changes itself (``LoadInfo.config_changes``, an error with ``strict=True``)."""
+        changed = self._option_changes(extra)
+        if changed and not getattr(self, "_options_reported", False):
+            what = ", ".join(f"{k}={a!r} -> {b!r}" for k, (a, b) in changed.items())
+            warnings.warn(f"{type(self).__name__}: this state was saved with other settings ({what}); it continues "
+                          "under this optimizer's. Construct the optimizer with the saved ones to continue the same "
+                          "run.", UserWarning, stacklevel=4)

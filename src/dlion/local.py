@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import struct
 import zlib
 from typing import Iterable, Optional
+import warnings
 
 import torch
 from torch import Tensor
@@ -172,7 +173,8 @@ class LocalDistributedLion(DistributedLion):
         vote, ties, process_group, comm, aggregate, quant_norm, quant_bits, bucket_cap_mb, seed,
         check_every, nonfinite, momentum_dtype, fused: as :class:`dlion.DistributedLion`;
         ``aggregate="quantized"`` votes on Lion Cub's quantised residual instead of its sign
-        (the residual update stays the sign one); ``check_every`` counts rounds' last steps.
+        (the residual update stays the sign one); ``check_every`` counts rounds' last steps (with
+        ``fragments``, fragment 0's).
 
     A rank whose gradients are inf/NaN skips its own local step (its parameters and momentum
     stay; ``skipped_steps`` counts it on that rank); with ``nonfinite="raise"`` every rank raises
@@ -292,6 +294,20 @@ class LocalDistributedLion(DistributedLion):
                 "outer_scale": self.outer_scale, "abstain_below": self.abstain_below,
                 "error_feedback": self.error_feedback, "streaming": self.streaming, "stream_delay": self.stream_delay,
                 "fragments": self.fragments, "reset_momentum": self.reset_momentum}
+
+    # the rule's defaults before 0.3, whose checkpoints record no settings
+    _DEFAULTS_0_2 = {"vote": "mavo", "sync_every": 10, "outer_scale": 1.0, "reset_momentum": False}
+
+    def _warn_if_options_changed(self, extra: dict) -> None:
+        if "options" in extra or extra.get("local") is None:
+            return super()._warn_if_options_changed(extra)
+        mine = self._options()
+        if any(mine[k] != v for k, v in self._DEFAULTS_0_2.items()):
+            now = ", ".join(f"{k}={mine[k]!r}" for k in self._DEFAULTS_0_2)
+            then = ", ".join(f"{k}={v!r}" for k, v in self._DEFAULTS_0_2.items())
+            warnings.warn(f"LocalDistributedLion: this state was saved before dlion 0.3 and records no settings; it "
+                          f"continues under this optimizer's ({now}). The defaults of 0.2 were {then}: pass the "
+                          "saved run's settings (and its lr) to continue it unchanged.", UserWarning, stacklevel=4)
 
     def _accepts_kind(self, kind: str) -> bool:
         return kind == "local" or (kind == "flat" and self.world_size == 1)  # (one rank saves no round state)

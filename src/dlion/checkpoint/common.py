@@ -80,7 +80,9 @@ def _optimizer_config(opt_sd: Optional[dict]) -> dict:
     if not opt_sd or "dlion" not in opt_sd:
         return {}
     d = opt_sd["dlion"]
-    return {k: d[k] for k in ("vote", "ties", "seed", "aggregate", "world_size") if k in d}
+    config = {k: d[k] for k in ("vote", "ties", "seed", "aggregate", "world_size") if k in d}
+    config.update(d.get("options") or {})  # every setting of the rule (recorded since 0.3)
+    return config
 
 
 def _check_loadable(obj, what: str) -> None:
@@ -193,7 +195,11 @@ def _check_optimizer_state(path: str, sd: dict, optimizer: torch.optim.Optimizer
 
 
 def _apply_optimizer_state(optimizer: torch.optim.Optimizer, sd: dict, any_rank: bool = False) -> None:
-    optimizer.load_state_dict(sd, **_rank_option(optimizer, any_rank))
+    optimizer._options_reported = True  # (its changed settings are this module's config_changes: not warned twice)
+    try:
+        optimizer.load_state_dict(sd, **_rank_option(optimizer, any_rank))
+    finally:
+        optimizer._options_reported = False
     # torch.optim casts floating state to the parameter's dtype; Lion keeps fp32
     # momenta for bf16/fp16 parameters, so put the saved dtype back.
     params = [p for g in optimizer.param_groups for p in g["params"]]
