@@ -372,6 +372,7 @@ def test_local_plot_summarises_and_draws(tmp_path):
     assert (r["median"], r["min"], r["max"], r["seeds"], r["H"]) == (1.81, 1.80, 1.84, [0, 1, 2], 10)
     assert rows["diloco_lion:10:outer_lr=0.1"]["line"] == "diloco_lion:outer_lr=0.1"
     assert (tmp_path / "out" / "final_vs_bits.png").stat().st_size > 0
+    assert (tmp_path / "out" / "final_vs_bits_main.png").stat().st_size > 0
     assert (tmp_path / "out" / "summary.csv").read_text().startswith("method,label,kind")
     # the one-H variant (outer_lr=0.1) stays in the summary but leaves the figure unless asked for
     from dlion.lab.experiments.local_plot import drawn_lines
@@ -470,3 +471,20 @@ def test_the_ra_option_resets_the_momenta_where_the_vote_is_applied():
         mom = m.inner.state[m.workers[0]]["exp_avg"]
         expected = (1 - b2) * (b2 * b2 * g[0] + b2 * g[1] + g[2]) if ra else (1 - b2) * g[2]
         assert torch.allclose(mom, expected, rtol=1e-6, atol=1e-8), ra
+
+
+def test_the_readme_panel_draws_the_vote_the_defaults_rule_and_diloco_only():
+    from dlion.lab.experiments.local_plot import main_lines, summary_rows
+
+    def rec(method, seed, lr):
+        return {"key": f"{method}|{seed}|{lr}", "task": "charlm", "tune": False, "method": method, "workers": 4,
+                "seed": seed, "budget": 2000, "steps": 2000, "lr": lr, "weight_decay": 0.1, "metric": "val_loss",
+                "final": 1.8, "diverged": False, "seconds": 1.0, "bits": 0.1, "bits_axis": "per_rank_sent"}
+
+    runs = [rec("glion", 0, 1e-4), rec("dlocal_mavo:10", 0, 1e-4), rec("dlocal_mavo:10", 0, 2e-4),
+            rec("dlocal_mavo:32:alpha=0.83:vote=avg:mr=1", 0, 3e-4), rec("dlocal_mavo:32:alpha=0.83:vote=avg:mr=1", 0, 2e-4),
+            rec("dlocal_mavo:50:vote=avg", 0, 3e-4), rec("diloco_adamw_bf16:100", 0, 3e-3),
+            rec("diloco_lion_bf16:100:outer_lr=1.4", 0, 1e-4)]
+    assert main_lines(summary_rows(runs)) == [("glion", 1e-4, 0.1), ("dlocal_mavo", 1e-4, 0.1),
+                                              ("dlocal_mavo:alpha=0.83:vote=avg:mr=1", 3e-4, 0.1),
+                                              ("diloco_adamw_bf16", 3e-3, 0.1)]

@@ -15,6 +15,9 @@ Reads any number of ``runs.jsonl`` files (re-run it as more runs finish) and wri
                        a dotted line at G-Lion's median + 1 %. On the right, a variant of a
                        local-step method run at one H only on fewer than three seeds (an
                        experiment) is left out unless ``--all-variants`` (it stays in the summary);
+``final_vs_bits_main.png``  one panel for the README: the every-step points, the majority vote's
+                       and the defaults' rule's curves over H (``MAIN_LINES``) and DiLoCo's,
+                       every seed count (no bar: one seed), the defaults' point named;
 ``summary.csv`` / ``summary.json``  one row per method spec: seeds, median / min / max / mean of
                        the final metric, bits, H, lr, weight decay, seconds per run.
 
@@ -37,9 +40,15 @@ import numpy as np
 from .plots import COLORS, MARKERS, _line, _ordered
 from .runner import LOCAL_METHODS, LOCAL_TWIN, canonical, common_bits, label, load_runs, parse_method
 
-__all__ = ["main", "summary_rows", "drawn_lines"]
+__all__ = ["main", "summary_rows", "drawn_lines", "main_lines"]
 
 EVERY_STEP = ("glion", "dlion_mavo", "gadamw", "powersgd_adamw:4")
+#: LocalDistributedLion's defaults since 0.3: the Avg vote, outer scale 0.83, the momenta reset, lr 3e-4, H = 32
+DEFAULTS = ("dlocal_mavo:alpha=0.83:vote=avg:mr=1", 3e-4, 32)
+#: (line, lr or None for any) drawn in final_vs_bits_main.png
+MAIN_LINES = (("glion", None), ("gadamw", None), ("powersgd_adamw", None), ("dlion_mavo", None),
+              ("dlocal_mavo", 1e-4), (DEFAULTS[0], DEFAULTS[1]), ("diloco_adamw", None), ("diloco_adamw_bf16", None),
+              ("diloco_lion_bf16", None))
 
 
 def summary_rows(runs: list[dict], points=EVERY_STEP) -> list[dict]:
@@ -119,8 +128,11 @@ def _draw(ax, rows: list[dict], drawn: list[tuple], min_seeds: int) -> None:
                     mfc="none" if ln != b else None, label=text)
         if local:
             for r in pts:
-                ax.annotate(f"H={r['H']}", (r["bits"], r["median"]), textcoords="offset points", xytext=(4, 4),
-                            fontsize=6, color=COLORS[b])
+                named = (ln, r["H"]) == (DEFAULTS[0], DEFAULTS[2]) and abs(lr - DEFAULTS[1]) < 1e-12
+                ax.annotate(f"H={r['H']}" + (": the defaults" if named else ""), (r["bits"], r["median"]),
+                            textcoords="offset points", xytext=(4, -14) if named else (4, 4), fontsize=8 if named else 6,
+                            color=COLORS[b],
+                            fontweight="bold" if named else "normal")
     ref = [r for r in rows if r["method"] == "glion"]
     if ref:
         ax.axhline(ref[0]["median"] * 1.01, color=COLORS["glion"], ls=":", lw=1, label="G-Lion's median + 1 %")
@@ -145,7 +157,39 @@ def figure(rows: list[dict], path: str, title: str, all_variants: bool = True) -
     fig.suptitle(title, fontsize=10)
     handles, labels = right.get_legend_handles_labels()
     fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=2, frameon=False)
-    fig.tight_layout(rect=(0, 0.05 + 0.0125 * ((len(labels) + 1) // 2), 1, 1))
+    fig.tight_layout(rect=(0, 0.03 + 0.019 * ((len(labels) + 1) // 2), 1, 1))  # (room for the legend's rows)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main_lines(rows: list[dict]) -> list[tuple]:
+    """The (line, lr, weight decay) keys of ``MAIN_LINES`` among ``rows``, in ``drawn_lines``' order."""
+    return [k for k in drawn_lines(rows) if any(k[0] == ln and (lr is None or abs(k[1] - lr) < 1e-12)
+                                                for ln, lr in MAIN_LINES)]
+
+
+def figure_main(rows: list[dict], path: str, title: str) -> str:
+    """One panel: the lines of ``MAIN_LINES`` only, on every seed count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drawn = main_lines(rows)
+    fig, ax = plt.subplots(figsize=(8, 6.4))
+    _draw(ax, rows, drawn, min_seeds=1)
+    top = 2.1  # (DiLoCo's 4 outer steps at H = 500 end far above: named, not drawn to scale)
+    off = [r for r in rows if (r["line"], r["lr"], r["weight_decay"]) in drawn and r["median"] > top]
+    if off:
+        ax.set_ylim(top=top)
+        ax.text(0.02, 0.98, "off scale: " + "; ".join(f"{r['label']}: {r['median']:.3f}" for r in off),
+                transform=ax.transAxes, fontsize=7, va="top")
+    ax.set_ylabel("final validation loss (median over seeds, bar: min–max; no bar: one seed)")
+    ax.set_title(title, fontsize=9)
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=2, frameon=False)
+    fig.tight_layout(rect=(0, 0.03 + 0.024 * ((len(labels) + 1) // 2), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -185,11 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"{args.task}, N = {args.workers}, {args.steps} steps: final validation loss vs bits sent "
              f"(local-step methods: one curve over H)")
     fig = figure(rows, os.path.join(args.out, "final_vs_bits.png"), title, args.all_variants)
+    figure_main(rows, os.path.join(args.out, "final_vs_bits_main.png"),
+                f"{args.task}, N = {args.workers}, {args.steps} steps: final validation loss vs bits sent")
     print(f"{'method':42s} {'seeds':>7s} {'median':>8s} {'min':>8s} {'max':>8s} {'bits':>9s}")
     for r in rows:
         print(f"{r['label']:42s} {len(r['seeds']):>7d} {r['median']:8.4f} {r['min']:8.4f} {r['max']:8.4f} "
               f"{r['bits']:9.4g}")
-    print(f"wrote {fig}, summary.csv, summary.json in {args.out}")
+    print(f"wrote {fig}, final_vs_bits_main.png, summary.csv, summary.json in {args.out}")
     return 0
 
 
