@@ -130,9 +130,8 @@ def _draw(ax, rows: list[dict], drawn: list[tuple], min_seeds: int) -> None:
             for r in pts:
                 named = (ln, r["H"]) == (DEFAULTS[0], DEFAULTS[2]) and abs(lr - DEFAULTS[1]) < 1e-12
                 ax.annotate(f"H={r['H']}" + (": the defaults" if named else ""), (r["bits"], r["median"]),
-                            textcoords="offset points", xytext=(4, -14) if named else (4, 4), fontsize=8 if named else 6,
-                            color=COLORS[b],
-                            fontweight="bold" if named else "normal")
+                            textcoords="offset points", xytext=(4, -14) if named else (4, 4),
+                            fontsize=8 if named else 6, color=COLORS[b], fontweight="bold" if named else "normal")
     ref = [r for r in rows if r["method"] == "glion"]
     if ref:
         ax.axhline(ref[0]["median"] * 1.01, color=COLORS["glion"], ls=":", lw=1, label="G-Lion's median + 1 %")
