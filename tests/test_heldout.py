@@ -78,8 +78,9 @@ def test_abstain_stage_takes_a_tau_only_when_it_ranks_better(tmp_path):
     chosen = heldout.choose(heldout.rows_of(str(tmp_path), 2.1))
     assert chosen["d-local-mavo"]["abstain_below"] == 0.0
     assert heldout.main([str(tmp_path)]) == 0
-    assert "<- chosen" in [ln for ln in (tmp_path / "tune_seed100.txt").read_text().splitlines()
-                           if ln.startswith("d-local-mavo") and " 0.00 " in ln and "1e-04" in ln][0]
+    (line,) = [ln for ln in (tmp_path / "tune_seed100.txt").read_text().splitlines()
+               if ln.startswith("d-local-mavo") and " 0.00 " in ln and "1e-04" in ln]
+    assert line.endswith("  lr1e-4  <- chosen"), line  # (the run's folder, then the mark)
 
 
 def test_a_local_method_at_another_h_is_a_method_of_its_own(tmp_path):

@@ -117,13 +117,14 @@ def main(argv=None) -> int:
     lines = [f"held-out rule, seed {SEED}, target {args.target} (steps: first evaluation at or below it); "
              "lr is Lion's (AdamW runs at 10x)",
              f"{'method':24s} {'lr':>7s} {'warm-up':>8s} {'abstain':>8s} {'steps to target':>16s} {'best loss':>10s} "
-             f"{'final':>8s}"]
+             f"{'final':>8s}  run"]
     for r in sorted(rows, key=lambda r: (r["method"], -r["warmup"], r["lr"], r["abstain_below"])):
         c = chosen.get(r["method"], {})
         mark = "  <- chosen" if (c.get("lr"), c.get("warmup"), c.get("abstain_below", 0.0)) == (
             r["lr"], r["warmup"], r["abstain_below"]) else ""
         lines.append(f"{r['method']:24s} {r['lr']:7.0e} {r['warmup']:8.2f} {r['abstain_below']:8.2f} "
-                     f"{str(r['steps_to_target'] or 'never'):>16s} {r['best_loss']:10.4f} {r['final_loss']:8.4f}{mark}")
+                     f"{str(r['steps_to_target'] or 'never'):>16s} {r['best_loss']:10.4f} {r['final_loss']:8.4f}"
+                     f"  {os.path.dirname(r['file'])}{mark}")  # (the folder tells apart runs of one config)
     unsearched = [m for m, c in chosen.items() if not c["warmup_searched"]]
     if unsearched:
         lines.append(f"warm-up not searched yet (no 10 % run at the chosen lr): {', '.join(unsearched)}")
