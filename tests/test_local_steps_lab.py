@@ -466,6 +466,8 @@ def test_the_ra_option_resets_the_momenta_where_the_vote_is_applied():
         spec = f"dlocal_mavo:2:mr=1:vote=avg:st=1:ra={ra}"
         m = make_method(spec, p, 3, {"lr": 0.01, "weight_decay": 0.0}, "charlm", 0, 8)
         assert ("momenta reset where each vote is applied" in label(spec)) is bool(ra)
+        rec = m.record()  # (the record says it too, with the other streaming diagnostics)
+        assert (rec["reset_at_apply"], rec["keep_delay"], rec["restart"], rec["mix"]) == (bool(ra), 1.0, False, 0.0)
         for k in range(3):
             m.step([g[k]])
         mom = m.inner.state[m.workers[0]]["exp_avg"]

@@ -398,7 +398,9 @@ class LocalVote(LocalMethod):
                     outer_betas=list(self.outer_betas), abstain_below=self.abstain_below,
                     error_scale=self.error_scale, soft_outer=self.soft_outer, vote=self.vote,
                     momentum_reset=self.momentum_reset, streaming=self.streaming, fragments=self.fragments,
-                    **({"stream_delay": self.stream_delay} if self.stream_delay is not None else {}))
+                    **({"stream_delay": self.stream_delay} if self.stream_delay is not None else {}),
+                    **({"reset_at_apply": self.reset_at_apply, "keep_delay": self.keep_delay, "restart": self.restart,
+                        "mix": self.mix} if self.streaming else {}))
 
 
 class DiLoCo(LocalMethod):
