@@ -225,7 +225,8 @@ def _prepare(path, source, head, model, optimizer, info: LoadInfo, notes: list, 
         if head.get("optimizer_class") and head["optimizer_class"] != type(optimizer).__name__:
             raise CheckpointError(f"checkpoint {path!r} holds {head['optimizer_class']} state; the optimizer is a "
                                   f"{type(optimizer).__name__}.")
-        current = _optimizer_config(optimizer.state_dict()) if hasattr(optimizer, "rule") else {}
+        # (its settings as its record would hold them, without building a whole state_dict to read them)
+        current = dict(optimizer._options()) if hasattr(optimizer, "rule") else {}
         saved_cfg = dict(head.get("optimizer_config", {}))
         saved_cfg.pop("world_size", None)
         current.pop("world_size", None)
