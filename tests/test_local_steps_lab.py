@@ -173,6 +173,46 @@ def test_local_vote_h3_matches_a_literal_transcription():
     torch.testing.assert_close(m.errors[0], torch.stack(es), rtol=0, atol=1e-12)
 
 
+def test_local_vote_with_adamw_inside_matches_a_literal_transcription():
+    # inner=adamw, the Avg vote, error feedback, the step sized by mean|e| (esc=1, α = 0.5), N = 3, H = 2,
+    # 5 steps: AdamW written out (bias-corrected moments, decoupled decay), then the round's arithmetic
+    N, H, steps, lr, wd, (b1, b2), eps = 3, 2, 5, 0.01, 0.1, BETAS["charlm"]["adamw"], 1e-8
+    torch.manual_seed(5)
+    A0 = torch.randn(4, dtype=F64)
+    A = [A0.clone()]
+    m = make_method("dlocal_mavo:2:vote=avg:inner=adamw:esc=1:alpha=0.5", A, N, {"lr": lr, "weight_decay": wd},
+                    "charlm", 0, steps)
+    assert isinstance(m.inner, torch.optim.AdamW) and family("dlocal_mavo:2:inner=adamw") == "adamw"
+    gen = torch.Generator().manual_seed(6)
+    ref_A, xs = A0.clone(), [A0.clone() for _ in range(N)]
+    mom, sq, es = [torch.zeros(4, dtype=F64)] * N, [torch.zeros(4, dtype=F64)] * N, [torch.zeros(4, dtype=F64)] * N
+    for t in range(1, steps + 1):
+        g = torch.randn(N, 4, generator=gen, dtype=F64)
+        m.step([g.clone()])
+        for i in range(N):
+            xs[i] = xs[i] * (1 - lr * wd)
+            mom[i] = b1 * mom[i] + (1 - b1) * g[i]
+            sq[i] = b2 * sq[i] + (1 - b2) * g[i] * g[i]
+            xs[i] = xs[i] - lr * (mom[i] / (1 - b1 ** t)) / ((sq[i] / (1 - b2 ** t)).sqrt() + eps)
+        if t % H == 0 or t == steps:
+            signs, mags = [], []
+            for i in range(N):
+                es[i] = es[i] + (ref_A - xs[i])
+                signs.append(torch.sign(es[i]))
+                mags.append(es[i].abs().mean())
+                es[i] = es[i] - mags[-1] * signs[-1]
+            ref_A = ref_A - 0.5 * (sum(mags) / N) * (sum(signs) / N)
+            xs = [ref_A.clone() for _ in range(N)]
+        torch.testing.assert_close(A[0], ref_A, rtol=0, atol=1e-12)
+        torch.testing.assert_close(m.workers[0], torch.stack(xs), rtol=0, atol=1e-12)
+    config = {"methods": {"glion": {"lr": 1e-4, "weight_decay": 0.1}, "gadamw": {"lr": 3e-3, "weight_decay": 0.05}}}
+    assert hparams_for(config, "charlm", "dlocal_mavo:32:inner=adamw") == {"lr": 3e-3, "weight_decay": 0.05}
+    assert label("dlocal_mavo:32:vote=avg:inner=adamw") == "D-Local (AdamW inner) Avg H=32"
+    assert canonical("dlocal_mavo:32:inner=lion") == "dlocal_mavo:32"
+    with pytest.raises(ValueError, match="inner must be lion or adamw"):
+        local_options("dlocal_mavo:32:inner=sgd")
+
+
 def test_diloco_h1_outer_lr1_no_momentum_is_model_averaging():
     # inner Lion, η = 0.5, λ = 0, N = 2; outer SGD lr 1, momentum 0: A ← A − mean(A − x_i) = mean x_i
     A = [torch.tensor([1.0, -2.0])]
@@ -269,7 +309,7 @@ def test_local_specs():
                                                    "ob2": 0.0, "ab": 0.0, "esc": 0, "osoft": 0,
                                                    "vote": "mavo", "sw": 0, "h0": 1, "mr": 0,
                                                    "st": 0, "fr": 1, "bmb": 25.0, "sd": -1, "kd": 1.0,
-                                                   "rs": 0, "mix": 0.0, "ra": 0}
+                                                   "rs": 0, "mix": 0.0, "ra": 0, "inner": "lion"}
     assert (label("dlocal_mavo:25:alpha=0.83:vote=avg:mr=1:st=1:fr=3:bmb=0.5")
             == "D-Local Avg H=25, α=0.83, momenta reset at each sync, streamed in 3 fragments")
     assert canonical("dlocal_mavo:50:h0=10:sw=200:vote=avg") == "dlocal_mavo:50:vote=avg:sw=200:h0=10"

@@ -249,7 +249,12 @@ class LocalVote(LocalMethod):
     rule since 2026-11-28), else where its round ends (the rule before). Diagnostics of what the delay
     costs, not in the library: ``stream_delay=0`` (each vote applied at once), ``keep_delay`` K (keep only
     K of the progress made during the delay), ``restart`` (each round starts from the anchor, not from the
-    worker's own end point) and ``mix`` M (x ← M·x + (1 − M)·(A' + s), Streaming DiLoCo's merge)."""
+    worker's own end point) and ``mix`` M (x ← M·x + (1 − M)·(A' + s), Streaming DiLoCo's merge).
+
+    ``inner="adamw"`` (an experiment, not in the library): each worker runs AdamW (bias-corrected, with its
+    own moments) instead of Lion, the rest as above; S sums AdamW's lr, which bounds a step of AdamW
+    rather than equals it, so ``error_scale`` (the step sized by the progress itself) is its natural
+    partner. ``momentum_reset`` then zeroes AdamW's first moment only."""
 
     def __init__(self, params, world_size, H, hp, betas, seed, total_steps, *, alpha: float = 1.0,
                  error_feedback: bool = True, ties: str = "zero", outer_betas: tuple = (0.0, 0.0),
@@ -257,8 +262,8 @@ class LocalVote(LocalMethod):
                  vote: str = "mavo", warmup_steps: int = 0, warmup_H: int = 1, momentum_reset: bool = False,
                  streaming: bool = False, fragments: int = 1, bucket_mb: float = 25.0,
                  stream_delay: Optional[int] = None, keep_delay: float = 1.0, restart: bool = False,
-                 mix: float = 0.0, reset_at_apply: bool = False):
-        super().__init__(params, world_size, H, hp, betas, "lion", total_steps, warmup_steps, warmup_H)
+                 mix: float = 0.0, reset_at_apply: bool = False, inner: str = "lion"):
+        super().__init__(params, world_size, H, hp, betas, inner, total_steps, warmup_steps, warmup_H)
         if fragments != 1 and not streaming:
             raise ValueError("fragments need streaming")
         if stream_delay is not None and (not streaming or stream_delay < 0):
@@ -369,7 +374,8 @@ class LocalVote(LocalMethod):
         self.pending = None
 
     def _zero_momenta(self, js) -> None:
-        """``momentum_reset``: the Lion momenta of the parameters ``js`` back to 0 on every worker."""
+        """``momentum_reset``: the Lion momenta (AdamW: first moments) of the parameters ``js`` back to 0 on every
+        worker."""
         if self.momentum_reset:
             for j in js:
                 self.inner.state[self.workers[j]]["exp_avg"].zero_()

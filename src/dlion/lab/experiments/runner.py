@@ -52,6 +52,9 @@ base                    round (H local steps, then)                             
                         K of the progress made during it; ``rs=1``: restart each round     ``mix`` (0)
                         from the anchor; ``mix=M``: x ← M·x + (1 − M)·(A' + s), Streaming
                         DiLoCo's merge)
+                        (``inner=adamw``: AdamW local steps, at G-AdamW's lr and weight    ``inner`` (lion)
+                        decay, instead of Lion's; an experiment: S is then AdamW's lr
+                        summed, ``esc=1`` scales the step by the progress itself)
 ``diloco_adamw``        local AdamW; fp32 mean pseudo-gradient → outer Nesterov SGD        ``outer_lr`` (0.7),
                                                                                            ``outer_momentum`` (0.9)
 ``diloco_lion``         local Lion; the same outer step                                   as above
@@ -111,7 +114,8 @@ DEFAULT_H = 10
 # options of a local-step spec, in their canonical order, with defaults
 LOCAL_OPTIONS = {"dlocal_mavo": {"alpha": 1.0, "ef": 1, "ties": "zero", "ob1": 0.0, "ob2": 0.0, "ab": 0.0,
                                  "esc": 0, "osoft": 0, "vote": "mavo", "sw": 0, "h0": 1, "mr": 0,
-                                 "st": 0, "fr": 1, "bmb": 25.0, "sd": -1, "kd": 1.0, "rs": 0, "mix": 0.0, "ra": 0},
+                                 "st": 0, "fr": 1, "bmb": 25.0, "sd": -1, "kd": 1.0, "rs": 0, "mix": 0.0, "ra": 0,
+                                 "inner": "lion"},
                  **{b: {"outer_lr": 0.7, "outer_momentum": 0.9} for b in LOCAL_METHODS if b.startswith("diloco")}}
 # the every-step method whose tuned lr / weight decay a local-step method takes by default
 LOCAL_TWIN = {"dlocal_mavo": "glion", "diloco_adamw": "gadamw", "diloco_adamw_bf16": "gadamw",
@@ -167,6 +171,10 @@ def local_options(spec: str) -> dict:
         elif key == "vote":
             if value not in ("mavo", "avg"):
                 raise ValueError(f"vote must be mavo or avg, got {spec!r}")
+            out[key] = value
+        elif key == "inner":
+            if value not in ("lion", "adamw"):
+                raise ValueError(f"inner must be lion or adamw, got {spec!r}")
             out[key] = value
         elif key in ("sw", "h0", "fr", "sd"):
             if not value.isdigit() or (key in ("h0", "fr") and int(value) < 1):
@@ -291,7 +299,10 @@ def canonical(spec: str) -> str:
 
 
 def family(spec: str) -> str:
-    return FAMILY[parse_method(spec)[0]]
+    base = parse_method(spec)[0]
+    if base == "dlocal_mavo":  # the vote's inner optimizer: Lion, or AdamW (``inner=adamw``)
+        return local_options(spec)["inner"]
+    return FAMILY[base]
 
 
 def label(spec: str, legacy: bool = False) -> str:
@@ -315,6 +326,8 @@ def label(spec: str, legacy: bool = False) -> str:
             text += ", step mean|e|"
         if opts.get("vote", "mavo") == "avg":
             text = text.replace("MaVo", "Avg")
+        if opts.get("inner", "lion") == "adamw":
+            text = text.replace("D-Local", "D-Local (AdamW inner)")
         if opts.get("sw", 0):
             text += f", H={opts['h0']} for the first {opts['sw']} steps"
         if opts.get("mr", 0):
@@ -517,7 +530,7 @@ def make_method(spec, params, world_size, hp, task_name, seed, total_steps):
                                streaming=bool(o["st"]), fragments=o["fr"], bucket_mb=o["bmb"],
                                stream_delay=None if o["sd"] < 0 else o["sd"], keep_delay=o["kd"],
                                restart=bool(o["rs"]), mix=o["mix"],
-                               reset_at_apply=bool(o["ra"]))
+                               reset_at_apply=bool(o["ra"]), inner=o["inner"])
         return L.DiLoCo(params, world_size, o["H"], hp, betas, seed, total_steps,
                         inner="adamw" if "adamw" in name else "lion", bf16=name.endswith("_bf16"),
                         outer_lr=o["outer_lr"], outer_momentum=o["outer_momentum"])
@@ -697,7 +710,7 @@ def hparams_for(config: Optional[dict], task: str, method: str) -> dict:
     keys = [method, canonical(method)]
     base = parse_method(method)[0]
     if base in LOCAL_TWIN:  # a local-step method: the every-step method of its inner optimizer
-        keys.append(LOCAL_TWIN[base])
+        keys.append("gadamw" if family(method) == "adamw" else LOCAL_TWIN[base])
     for key in keys:
         if key in methods:
             c = methods[key]
