@@ -116,3 +116,21 @@ def test_a_streamed_local_method_at_another_delay_or_fragments_is_a_method_of_it
     chosen = heldout.choose(heldout.rows_of(str(tmp_path), 2.1))
     assert {m: c["lr"] for m, c in chosen.items()} == {"d-local-avg-st H=25": 1e-4, "d-local-avg-st H=25 τ=11": 2e-4,
                                                        "d-local-avg-st H=25 P=3": 3e-4}
+
+
+def test_edge_stage_takes_an_lr_past_the_grid_only_when_it_ranks_better(tmp_path):
+    # a chose 3e-4 (the top edge): 4e-4 ties in steps with a lower loss (taken), 6e-4 misses; b chose 1e-4 (the
+    # bottom edge): 5e-5 misses (1e-4 kept); c chose 1e-4 at the 10 % warm-up: its 5e-5 at 10 % hits sooner
+    # (taken), its 5e-5 at 30 % (not its warm-up) would be sooner still and never counts
+    for lr, a, b, c in ((1e-4, 2.3, 2.05, 2.05), (2e-4, 2.2, 2.2, 2.2), (3e-4, 2.09, 2.3, 2.3)):
+        curves = {"a": [[0, 3.0], [20, a]], "b": [[0, 3.0], [20, b]], "c": [[0, 3.0], [20, c]]}
+        _write(tmp_path, f"lr{lr:g}", curves, lr)
+    _write(tmp_path, "a-4e-4", {"a": [[0, 3.0], [20, 2.08]]}, 4e-4)
+    _write(tmp_path, "a-6e-4", {"a": [[0, 3.0], [20, 2.2]]}, 6e-4)
+    _write(tmp_path, "b-5e-5", {"b": [[0, 3.0], [20, 2.15]]}, 5e-5)
+    _write(tmp_path, "c-w", {"c": [[0, 3.0], [20, 2.04]]}, 1e-4, warmup=0.1)
+    _write(tmp_path, "c-5e-5-w", {"c": [[0, 3.0], [10, 2.09]]}, 5e-5, warmup=0.1)
+    _write(tmp_path, "c-5e-5", {"c": [[0, 3.0], [5, 2.0]]}, 5e-5)
+    chosen = heldout.choose(heldout.rows_of(str(tmp_path), 2.1))
+    assert {m: (c["lr"], c["warmup"], c["beyond_grid"]) for m, c in chosen.items()} == {
+        "a": (4e-4, 0.3, [4e-4, 6e-4]), "b": (1e-4, 0.3, [5e-5]), "c": (5e-5, 0.1, [5e-5])}

@@ -10,8 +10,12 @@ seed 100 only (never an evaluation seed):
 3. **abstain_below** (fixed 2026-11-27 before its runs; the local vote only): the ``d-local-*``
    method at its stage-1/2 lr and warm-up also with ``--abstain-below`` τ in {0.25, 0.5, 1}; τ = 0
    is kept unless a τ ranks better by the same ranking (the lowest-ranked τ wins).
+4. **the grid's edges** (part 9, fixed 2026-11-28 before its runs; applied after stage 2): a method whose
+   choice lies at an edge of the grid is run one lr further past it (5e-5 below, 4e-4 then 6e-4 above), at
+   its chosen warm-up, as long as the new point wins; any run at the chosen warm-up with an lr off the grid
+   is such a point, and the best of them replaces the choice if it ranks better.
 
-Stages 1 and 2 count only runs without abstentions, so a stage-3 run never moves an lr or warm-up.
+Stages 1, 2 and 4 count only runs without abstentions, so a stage-3 run never moves an lr or warm-up.
 
 Reads every ``DIR/*/ttq_results.json`` whose config has seed 100 (its lr, warm-up and method names
 from the file itself; a method that talks every H steps run at another H than the default 10 is a
@@ -90,7 +94,12 @@ def choose(rows: list) -> dict:
         alt = [r for r in plain if r["method"] == m and r["warmup"] == WARMUP_ALT and r["lr"] == best["lr"]]
         if alt and _rank(alt[0]) < _rank(best):
             best = alt[0]
-        out[m] = {"lr": best["lr"], "warmup": best["warmup"], "warmup_searched": bool(alt)}
+        beyond = [r for r in plain if r["method"] == m and r["warmup"] == best["warmup"] and r["lr"] not in GRID]
+        top = min(beyond, key=_rank, default=None)
+        if top is not None and _rank(top) < _rank(best):
+            best = top
+        out[m] = {"lr": best["lr"], "warmup": best["warmup"], "warmup_searched": bool(alt),
+                  "beyond_grid": sorted(r["lr"] for r in beyond)}
         if m.startswith("d-local"):
             taus = [r for r in rows if r["method"] == m and r["abstain_below"] in ABSTAIN_GRID
                     and (r["lr"], r["warmup"]) == (best["lr"], best["warmup"])]
@@ -111,8 +120,10 @@ def main(argv=None) -> int:
     chosen = choose(rows)
     doc = {"rule": "seed 100 only; stage 1: warm-up 30 %, Lion lr in {1e-4, 2e-4, 3e-4} (AdamW 10x), per method the "
                    "lr with the fewest steps to the target, ties and misses broken by the lowest validation loss; "
-                   "stage 2: the chosen lr with a 10 % warm-up, kept only if it ranks better; stage 3 (d-local-* only): "
-                   "the chosen lr and warm-up with abstain_below in {0.25, 0.5, 1}, taken only if it ranks better than 0",
+                   "stage 2: the chosen lr with a 10 % warm-up, kept only if it ranks better; "
+                   "stage 4 (after 2): an lr past the grid's edge at the chosen warm-up, taken only if it ranks better; "
+                   "stage 3 (d-local-* only): the chosen lr and warm-up with abstain_below in {0.25, 0.5, 1}, "
+                   "taken only if it ranks better than 0",
            "target": args.target, "rows": rows, "chosen": chosen}
     lines = [f"held-out rule, seed {SEED}, target {args.target} (steps: first evaluation at or below it); "
              "lr is Lion's (AdamW runs at 10x)",
