@@ -525,9 +525,11 @@ def test_the_readme_panel_draws_the_vote_the_defaults_rule_and_diloco_only():
 
     rule = "dlocal_mavo:32:alpha=0.83:vote=avg:mr=1"
     runs = [rec("glion", 0, 1e-4), rec("dlocal_mavo:10", 0, 1e-4), rec("dlocal_mavo:10", 0, 2e-4),
-            rec(rule, 0, 3e-4), rec(rule, 0, 2e-4),
+            rec(rule, 0, 3e-4), rec(rule, 0, 2e-4), rec(rule, 0, 6e-4),
             rec("dlocal_mavo:50:vote=avg", 0, 3e-4), rec("diloco_adamw_bf16:100", 0, 3e-3),
             rec("diloco_lion_bf16:100:outer_lr=1.4", 0, 1e-4)]
+    # the defaults' rule at the defaults' lr and at the held-out seed's (6e-4), not at 2e-4
     assert main_lines(summary_rows(runs)) == [("glion", 1e-4, 0.1), ("dlocal_mavo", 1e-4, 0.1),
                                               ("dlocal_mavo:alpha=0.83:vote=avg:mr=1", 3e-4, 0.1),
+                                              ("dlocal_mavo:alpha=0.83:vote=avg:mr=1", 6e-4, 0.1),
                                               ("diloco_adamw_bf16", 3e-3, 0.1)]

@@ -45,9 +45,12 @@ __all__ = ["main", "summary_rows", "drawn_lines", "main_lines"]
 EVERY_STEP = ("glion", "dlion_mavo", "gadamw", "powersgd_adamw:4")
 #: LocalDistributedLion's defaults since 0.3: the Avg vote, outer scale 0.83, the momenta reset, lr 3e-4, H = 32
 DEFAULTS = ("dlocal_mavo:alpha=0.83:vote=avg:mr=1", 3e-4, 32)
+#: the lr the defaults' rule took on the held-out seed 100 (docs/results.md, "The defaults' lr on a held-out seed")
+HELD_OUT_LR = 6e-4
 #: (line, lr or None for any) drawn in final_vs_bits_main.png
 MAIN_LINES = (("glion", None), ("gadamw", None), ("powersgd_adamw", None), ("dlion_mavo", None),
-              ("dlocal_mavo", 1e-4), (DEFAULTS[0], DEFAULTS[1]), ("diloco_adamw", None), ("diloco_adamw_bf16", None),
+              ("dlocal_mavo", 1e-4), (DEFAULTS[0], DEFAULTS[1]), (DEFAULTS[0], HELD_OUT_LR),
+              ("diloco_adamw", None), ("diloco_adamw_bf16", None),
               ("diloco_lion_bf16", None))
 
 
@@ -128,9 +131,13 @@ def _draw(ax, rows: list[dict], drawn: list[tuple], min_seeds: int) -> None:
                     mfc="none" if ln != b else None, label=text)
         if local:
             for r in pts:
-                named = (ln, r["H"]) == (DEFAULTS[0], DEFAULTS[2]) and abs(lr - DEFAULTS[1]) < 1e-12
-                ax.annotate(f"H={r['H']}" + (": the defaults" if named else ""), (r["bits"], r["median"]),
-                            textcoords="offset points", xytext=(4, -14) if named else (4, 4),
+                at_defaults = (ln, r["H"]) == (DEFAULTS[0], DEFAULTS[2])
+                named = at_defaults and abs(lr - DEFAULTS[1]) < 1e-12
+                held = at_defaults and abs(lr - HELD_OUT_LR) < 1e-12
+                ax.annotate(f"H={r['H']}" + (": the defaults" if named else f", lr {lr:g} (held-out choice)" if held
+                                             else ""), (r["bits"], r["median"]),
+                            textcoords="offset points", xytext=(-6, -13) if named else (4, 4),
+                            ha="right" if named else "left",
                             fontsize=8 if named else 6, color=COLORS[b], fontweight="bold" if named else "normal")
     ref = [r for r in rows if r["method"] == "glion"]
     if ref:
