@@ -82,8 +82,10 @@ def choose(rows: list) -> dict:
     """Per method, ``{"lr": …, "warmup": …}`` by the rule: stage 1 picks the lr among the 30 %
     warm-up runs on the grid, stage 2 keeps 30 % unless the 10 % run at that lr ranks better. The
     ranking: fewest steps to the target; a miss loses to any hit; ties and misses by the lowest loss.
-    Stage 3, for ``d-local-*`` only: τ = 0 unless a run at the chosen lr and warm-up with
-    ``abstain_below`` τ on its grid ranks better."""
+    Stage 4 (part 9, after stage 2): the best run at the chosen warm-up with an lr off the grid (one past
+    its edge) replaces the choice if it ranks better (``beyond_grid``: those lrs). Stage 3, for
+    ``d-local-*`` only: τ = 0 unless a run at the chosen lr and warm-up with ``abstain_below`` τ on its
+    grid ranks better."""
     out = {}
     plain = [r for r in rows if r["abstain_below"] == 0.0]
     for m in sorted({r["method"] for r in plain}):
