@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     doc = {"rule": "seed 100 only; stage 1: warm-up 30 %, Lion lr in {1e-4, 2e-4, 3e-4} (AdamW 10x), per method the "
                    "lr with the fewest steps to the target, ties and misses broken by the lowest validation loss; "
                    "stage 2: the chosen lr with a 10 % warm-up, kept only if it ranks better; "
-                   "stage 4 (after 2): an lr past the grid's edge at the chosen warm-up, taken only if it ranks better; "
+                   "stage 4 (after 2): an lr past the grid's edge at the chosen warm-up, taken if it ranks better; "
                    "stage 3 (d-local-* only): the chosen lr and warm-up with abstain_below in {0.25, 0.5, 1}, "
                    "taken only if it ranks better than 0",
            "target": args.target, "rows": rows, "chosen": chosen}
