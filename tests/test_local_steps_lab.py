@@ -385,13 +385,15 @@ def test_local_plot_summarises_and_draws(tmp_path):
                 "seed": seed, "budget": 2000, "steps": 2000, "lr": lr, "weight_decay": 0.1, "metric": "val_loss",
                 "final": final, "diverged": False, "seconds": 1.0, "bits": bits, "bits_axis": "per_rank_sent"}
 
-    every = [rec("glion", s, 1.78 + 0.01 * s, 48.0) for s in range(3)] + [rec("dlion_mavo:b2=0.99", 0, 1.9, 2.0)]
+    every = [rec("glion", s, 1.78 + 0.01 * s, 48.0) for s in range(3)] + [rec("dlion_mavo:b2=0.99", 0, 1.9, 2.0)] + \
+        [rec("gadamw", 0, 1.69, 48.0, lr=3e-3)]
     local = [rec("dlocal_mavo:10", s, f, 0.195) for s, f in ((0, 1.81), (1, 1.80), (2, 1.84))] + \
         [rec("dlocal_mavo:25", 0, 1.83, 0.078), rec("diloco_adamw:10", 0, 1.7, 4.8, lr=3e-3),
          rec("diloco_lion:10:outer_lr=0.1", 0, 1.9, 4.8),
          rec("dlocal_mavo:10:vote=avg", 0, 1.8, 0.3, lr=3e-4), rec("dlocal_mavo:50:vote=avg", 0, 2.0, 0.06, lr=3e-4),
          rec("dlocal_mavo:30:vote=avg", 0, 1.85, 0.1, lr=2e-4)] + \
-        [rec("dlocal_mavo:50:alpha=0.67:vote=avg", s, 1.82, 0.06, lr=3e-4) for s in range(3)]
+        [rec("dlocal_mavo:50:alpha=0.67:vote=avg", s, 1.82, 0.06, lr=3e-4) for s in range(3)] + \
+        [rec("dlocal_mavo:32:vote=avg:inner=adamw", 0, 1.78, 0.1, lr=3e-3)]
     paths = []
     for name, rs in (("a.jsonl", every), ("b.jsonl", local)):
         paths.append(str(tmp_path / name))
@@ -401,13 +403,16 @@ def test_local_plot_summarises_and_draws(tmp_path):
     rows = {r["method"]: r for r in json.load(open(tmp_path / "out" / "summary.json"))}
     assert set(rows) == {"glion", "dlocal_mavo:10", "dlocal_mavo:25", "diloco_adamw:10",
                          "diloco_lion:10:outer_lr=0.1", "dlocal_mavo:10:vote=avg", "dlocal_mavo:50:vote=avg",
-                         "dlocal_mavo:30:vote=avg", "dlocal_mavo:50:alpha=0.67:vote=avg"}  # the β2 variant is no default point
+                         "dlocal_mavo:30:vote=avg", "dlocal_mavo:50:alpha=0.67:vote=avg", "gadamw",
+                         "dlocal_mavo:32:vote=avg:inner=adamw"}  # the β2 variant is no default point
     # a line run at two lrs says its lr on every point, even where that H ran at one lr only
     assert rows["dlocal_mavo:10:vote=avg"]["label"].endswith("(lr 0.0003)")
     assert rows["dlocal_mavo:30:vote=avg"]["label"].endswith("(lr 0.0002)")
     assert "(lr" not in rows["dlocal_mavo:10"]["label"]
     # one lr on its line, but not G-Lion's (its twin): the label says it
     assert rows["dlocal_mavo:50:alpha=0.67:vote=avg"]["label"] == "D-Local Avg H=50, α=0.67 (lr 0.0003)"
+    # the AdamW vote's twin is G-AdamW: at G-AdamW's lr its label names none
+    assert "(lr" not in rows["dlocal_mavo:32:vote=avg:inner=adamw"]["label"]
     r = rows["dlocal_mavo:10"]
     assert (r["median"], r["min"], r["max"], r["seeds"], r["H"]) == (1.81, 1.80, 1.84, [0, 1, 2], 10)
     assert rows["diloco_lion:10:outer_lr=0.1"]["line"] == "diloco_lion:outer_lr=0.1"
@@ -419,7 +424,7 @@ def test_local_plot_summarises_and_draws(tmp_path):
     summary = json.load(open(tmp_path / "out" / "summary.json"))
     # Avg at lr 2e-4 has one H and one seed: left out; α = 0.67 has one H on three seeds: drawn
     assert [k[0] for k in drawn_lines(summary, all_variants=False)] == [
-        "glion", "dlocal_mavo", "dlocal_mavo:vote=avg", "dlocal_mavo:alpha=0.67:vote=avg", "diloco_adamw"]
+        "glion", "gadamw", "dlocal_mavo", "dlocal_mavo:vote=avg", "dlocal_mavo:alpha=0.67:vote=avg", "diloco_adamw"]
     assert "diloco_lion:outer_lr=0.1" in [k[0] for k in drawn_lines(summary)]
 
 

@@ -24,7 +24,8 @@ Reads any number of ``runs.jsonl`` files (re-run it as more runs finish) and wri
 Runs are filtered to one task, N (``--workers``) and step budget (``--steps``), tuning runs
 left out; where one spec ran with several learning rates, each (spec, lr, wd) is its own row
 (and the label says the lr); a local-step method's label also says its lr where it differs
-from the lr of its every-step twin (G-Lion for the local vote) among the runs.
+from the lr of its every-step twin among the runs (``runner.twin``: G-Lion for the local vote,
+G-AdamW for the vote with AdamW inside).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from collections import defaultdict
 import numpy as np
 
 from .plots import COLORS, MARKERS, _line, _ordered
-from .runner import LOCAL_METHODS, LOCAL_TWIN, canonical, common_bits, label, load_runs, parse_method
+from .runner import LOCAL_METHODS, canonical, common_bits, label, load_runs, parse_method, twin
 
 __all__ = ["main", "summary_rows", "drawn_lines", "main_lines"]
 
@@ -73,9 +74,9 @@ def summary_rows(runs: list[dict], points=EVERY_STEP) -> list[dict]:
             finals = np.array([r["final"] for r in rs], dtype=float)
             base, arg = parse_method(spec)
             local = base in LOCAL_METHODS
-            twin = lrs.get(LOCAL_TWIN.get(base, ""), set())
+            twin_lrs = lrs.get(twin(spec) or "", set())
             several = len(lrs[spec]) > 1 or (local and (len(lrs[_line(spec)]) > 1
-                                                        or bool(twin and (lr, wd) not in twin)))
+                                                        or bool(twin_lrs and (lr, wd) not in twin_lrs)))
             text = label(spec) + (f" (lr {lr:g})" if several else "")
             rows.append({
                 "method": spec, "label": text, "kind": "every H steps" if local else "every step",

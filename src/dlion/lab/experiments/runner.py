@@ -305,6 +305,16 @@ def family(spec: str) -> str:
     return FAMILY[base]
 
 
+def twin(spec: str) -> Optional[str]:
+    """The every-step method whose tuned lr / weight decay a local-step spec takes by
+    default: the one with its inner optimizer (G-AdamW for ``inner=adamw``); None for an
+    every-step spec."""
+    base = parse_method(spec)[0]
+    if base not in LOCAL_TWIN:
+        return None
+    return "gadamw" if family(spec) == "adamw" else LOCAL_TWIN[base]
+
+
 def label(spec: str, legacy: bool = False) -> str:
     """Legend text of a spec; ``legacy``: a record of the pre-audit DGC / GradDrop."""
     base, arg = parse_method(spec)
@@ -708,9 +718,8 @@ def _append(path: str, rec: dict) -> None:
 def hparams_for(config: Optional[dict], task: str, method: str) -> dict:
     methods = (config or {}).get("methods", {})
     keys = [method, canonical(method)]
-    base = parse_method(method)[0]
-    if base in LOCAL_TWIN:  # a local-step method: the every-step method of its inner optimizer
-        keys.append("gadamw" if family(method) == "adamw" else LOCAL_TWIN[base])
+    if twin(method):  # a local-step method: the every-step method of its inner optimizer
+        keys.append(twin(method))
     for key in keys:
         if key in methods:
             c = methods[key]
