@@ -717,9 +717,8 @@ def _append(path: str, rec: dict) -> None:
 
 def hparams_for(config: Optional[dict], task: str, method: str) -> dict:
     methods = (config or {}).get("methods", {})
-    keys = [method, canonical(method)]
-    if twin(method):  # a local-step method: the every-step method of its inner optimizer
-        keys.append(twin(method))
+    # a local-step method falls back on the every-step method of its inner optimizer
+    keys = [method, canonical(method)] + [k for k in (twin(method),) if k]
     for key in keys:
         if key in methods:
             c = methods[key]
