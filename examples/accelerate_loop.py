@@ -73,4 +73,7 @@ for (ids,) in loader:
             accelerator.save_state(ckpt)
         if done >= args.steps:
             break
+# Leave together: a peer that has already exited can make Gloo's teardown abort
+# ("terminate called without an active exception").
+accelerator.wait_for_everyone()
 accelerator.end_training()

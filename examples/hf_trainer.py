@@ -61,4 +61,5 @@ if trainer.is_world_process_zero():
     print(f"step {last['step']}: loss {last['loss']:.3f} (ln 512 = {math.log(512):.3f}), "
           f"{last['comm/bits_per_param_per_step']:.2f} bits per parameter per step (sent + received)")
 if dist.is_initialized():  # the Trainer leaves the process group open; exiting with it open can abort
+    dist.barrier()  # leave together: a peer that has already exited can make Gloo's teardown abort
     dist.destroy_process_group()

@@ -14,6 +14,7 @@ import os
 
 import lightning.pytorch as L
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
@@ -68,3 +69,6 @@ if __name__ == "__main__":
     trainer.fit(TinyLM(), ckpt_path=last if args.resume and os.path.exists(last) else None)
     if trainer.is_global_zero:
         print({k: round(float(v), 3) for k, v in trainer.callback_metrics.items()})
+    if dist.is_initialized():  # Lightning leaves the process group open; exiting with it open can abort
+        dist.barrier()  # leave together: a peer that has already exited can make Gloo's teardown abort
+        dist.destroy_process_group()
