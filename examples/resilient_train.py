@@ -89,7 +89,7 @@ def main(argv=None) -> int:
 
 def train(args, restart: int = 0) -> None:
     """The training loop, in an initialised process group."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     os.makedirs(args.dir, exist_ok=True)
     path = os.path.join(args.dir, "checkpoint.pt")
     marker = os.path.join(args.dir, "crashed.marker")
