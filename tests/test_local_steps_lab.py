@@ -521,7 +521,7 @@ def test_the_ra_option_resets_the_momenta_where_the_vote_is_applied():
 
 
 def test_the_readme_panel_draws_the_vote_the_defaults_rule_and_diloco_only():
-    from dlion.lab.experiments.local_plot import main_lines, summary_rows
+    from dlion.lab.experiments.local_plot import line_points, main_lines, summary_rows
 
     def rec(method, seed, lr):
         return {"key": f"{method}|{seed}|{lr}", "task": "charlm", "tune": False, "method": method, "workers": 4,
@@ -532,9 +532,14 @@ def test_the_readme_panel_draws_the_vote_the_defaults_rule_and_diloco_only():
     runs = [rec("glion", 0, 1e-4), rec("dlocal_mavo:10", 0, 1e-4), rec("dlocal_mavo:10", 0, 2e-4),
             rec(rule, 0, 3e-4), rec(rule, 0, 2e-4), rec(rule, 0, 6e-4),
             rec("dlocal_mavo:50:vote=avg", 0, 3e-4), rec("diloco_adamw_bf16:100", 0, 3e-3),
-            rec("diloco_lion_bf16:100:outer_lr=1.4", 0, 1e-4)]
-    # the defaults' rule at the defaults' lr and at the held-out seed's (6e-4), not at 2e-4
-    assert main_lines(summary_rows(runs)) == [("glion", 1e-4, 0.1), ("dlocal_mavo", 1e-4, 0.1),
-                                              ("dlocal_mavo:alpha=0.83:vote=avg:mr=1", 3e-4, 0.1),
-                                              ("dlocal_mavo:alpha=0.83:vote=avg:mr=1", 6e-4, 0.1),
-                                              ("diloco_adamw_bf16", 3e-3, 0.1)]
+            rec("diloco_lion_bf16:100:outer_lr=1.4", 0, 1e-4),
+            rec("dlocal_mavo:8:alpha=0.83:vote=avg:mr=1", 0, 3e-3),
+            rec("dlocal_mavo:8:alpha=0.83:vote=avg:mr=1", 0, 1e-3)]
+    rows = summary_rows(runs)
+    # the defaults' rule at the defaults' lr, and one curve through the lr the held-out seed chose at each H
+    # (6e-4 at H = 32, 3e-3 at H = 8), not at 2e-4 or 1e-3
+    held = ("dlocal_mavo:alpha=0.83:vote=avg:mr=1", "held-out", 0.1)
+    assert main_lines(rows) == [("glion", 1e-4, 0.1), ("dlocal_mavo", 1e-4, 0.1),
+                                ("dlocal_mavo:alpha=0.83:vote=avg:mr=1", 3e-4, 0.1), held,
+                                ("diloco_adamw_bf16", 3e-3, 0.1)]
+    assert sorted((r["H"], r["lr"]) for r in line_points(rows, held)) == [(8, 3e-3), (32, 6e-4)]

@@ -17,7 +17,9 @@ Reads any number of ``runs.jsonl`` files (re-run it as more runs finish) and wri
                        experiment) is left out unless ``--all-variants`` (it stays in the summary);
 ``final_vs_bits_main.png``  one panel for the README: the every-step points, the majority vote's
                        and the defaults' rule's curves over H (``MAIN_LINES``) and DiLoCo's,
-                       every seed count (no bar: one seed), the defaults' point named;
+                       every seed count (no bar: one seed), the defaults' point named; and the
+                       defaults' rule at the lr a held-out seed chose for each H
+                       (``HELD_OUT_LRS``) as one curve;
 ``summary.csv`` / ``summary.json``  one row per method spec: seeds, median / min / max / mean of
                        the final metric, bits, H, lr, weight decay, seconds per run.
 
@@ -41,18 +43,35 @@ import numpy as np
 from .plots import COLORS, MARKERS, _line, _ordered
 from .runner import LOCAL_METHODS, canonical, common_bits, label, load_runs, parse_method, twin
 
-__all__ = ["main", "summary_rows", "drawn_lines", "main_lines"]
+__all__ = ["main", "summary_rows", "drawn_lines", "main_lines", "line_points"]
 
 EVERY_STEP = ("glion", "dlion_mavo", "gadamw", "powersgd_adamw:4")
 #: LocalDistributedLion's defaults since 0.3: the Avg vote, outer scale 0.83, the momenta reset, lr 3e-4, H = 32
 DEFAULTS = ("dlocal_mavo:alpha=0.83:vote=avg:mr=1", 3e-4, 32)
-#: the lr the defaults' rule took on the held-out seed 100 (docs/results.md, "The defaults' lr on a held-out seed")
-HELD_OUT_LR = 6e-4
+#: H -> the lr the defaults' rule took at that H on the held-out seed 100 (docs/results.md, "The defaults'
+#: lr on a held-out seed" and "Shorter rounds at a higher lr"; the rules in docs/results/charlm-local-heldout)
+HELD_OUT_LRS = {32: 6e-4, 8: 3e-3}
+#: the lr of a drawn line that stands for "the lr of HELD_OUT_LRS at each H"
+HELD_OUT = "held-out"
 #: (line, lr or None for any) drawn in final_vs_bits_main.png
 MAIN_LINES = (("glion", None), ("gadamw", None), ("powersgd_adamw", None), ("dlion_mavo", None),
-              ("dlocal_mavo", 1e-4), (DEFAULTS[0], DEFAULTS[1]), (DEFAULTS[0], HELD_OUT_LR),
+              ("dlocal_mavo", 1e-4), (DEFAULTS[0], DEFAULTS[1]), (DEFAULTS[0], HELD_OUT),
               ("diloco_adamw", None), ("diloco_adamw_bf16", None),
               ("diloco_lion_bf16", None))
+
+
+def _held_out(r: dict) -> bool:
+    """Whether row ``r`` is the defaults' rule at the lr the held-out seed chose for its H."""
+    lr = HELD_OUT_LRS.get(r["H"])
+    return r["line"] == DEFAULTS[0] and lr is not None and abs(r["lr"] - lr) < 1e-12
+
+
+def line_points(rows: list[dict], key: tuple) -> list[dict]:
+    """The rows of a drawn line: (line, lr, weight decay), or (DEFAULTS[0], HELD_OUT, wd)."""
+    ln, lr, wd = key
+    if lr == HELD_OUT:
+        return [r for r in rows if _held_out(r) and r["weight_decay"] == wd]
+    return [r for r in rows if (r["line"], r["lr"], r["weight_decay"]) == key]
 
 
 def summary_rows(runs: list[dict], points=EVERY_STEP) -> list[dict]:
@@ -112,8 +131,8 @@ def _draw(ax, rows: list[dict], drawn: list[tuple], min_seeds: int) -> None:
     """The lines ``drawn`` on ``ax``, each through its points run on ``min_seeds`` seeds or more."""
     for ln, lr, wd in drawn:
         nth = [k for k in drawn if k[0] == ln].index((ln, lr, wd))  # the same line at other lrs: dotted, dash-dot
-        pts = sorted((r for r in rows if (r["line"], r["lr"], r["weight_decay"]) == (ln, lr, wd)
-                      and len(r["seeds"]) >= min_seeds), key=lambda r: r["bits"])
+        pts = sorted((r for r in line_points(rows, (ln, lr, wd)) if len(r["seeds"]) >= min_seeds),
+                     key=lambda r: r["bits"])
         if not pts:
             continue
         b = ln.split(":", 1)[0]
@@ -122,7 +141,10 @@ def _draw(ax, rows: list[dict], drawn: list[tuple], min_seeds: int) -> None:
         err = [[r["median"] - r["min"] for r in pts], [r["max"] - r["median"] for r in pts]]
         local = b in LOCAL_METHODS
         style = ("-" if ln == b else "--", ":", "-.")[min(nth, 2)]
-        if local:
+        if lr == HELD_OUT:  # (each point names its lr)
+            text = (pts[0]["label"].split(" (lr ")[0].replace(f" H={pts[0]['H']}", "") + " (held-out lr per H), H = "
+                    + ", ".join(str(r["H"]) for r in sorted(pts, key=lambda r: r["H"])))
+        elif local:
             text = pts[0]["label"].replace(f" H={pts[0]['H']}", "") + ", H = " + ", ".join(
                 str(r["H"]) for r in sorted(pts, key=lambda r: r["H"]))
         else:
@@ -132,11 +154,10 @@ def _draw(ax, rows: list[dict], drawn: list[tuple], min_seeds: int) -> None:
                     mfc="none" if ln != b else None, label=text)
         if local:
             for r in pts:
-                at_defaults = (ln, r["H"]) == (DEFAULTS[0], DEFAULTS[2])
-                named = at_defaults and abs(lr - DEFAULTS[1]) < 1e-12
-                held = at_defaults and abs(lr - HELD_OUT_LR) < 1e-12
-                ax.annotate(f"H={r['H']}" + (": the defaults" if named else f", lr {lr:g} (held-out choice)" if held
-                                             else ""), (r["bits"], r["median"]),
+                named = (ln, r["H"]) == (DEFAULTS[0], DEFAULTS[2]) and abs(r["lr"] - DEFAULTS[1]) < 1e-12
+                held = _held_out(r)
+                ax.annotate(f"H={r['H']}" + (": the defaults" if named else f", lr {r['lr']:g} (held-out choice)"
+                                             if held else ""), (r["bits"], r["median"]),
                             textcoords="offset points", xytext=(-6, -13) if named else (4, 4),
                             ha="right" if named else "left",
                             fontsize=8 if named else 6, color=COLORS[b], fontweight="bold" if named else "normal")
@@ -171,9 +192,14 @@ def figure(rows: list[dict], path: str, title: str, all_variants: bool = True) -
 
 
 def main_lines(rows: list[dict]) -> list[tuple]:
-    """The (line, lr, weight decay) keys of ``MAIN_LINES`` among ``rows``, in ``drawn_lines``' order."""
-    return [k for k in drawn_lines(rows) if any(k[0] == ln and (lr is None or abs(k[1] - lr) < 1e-12)
-                                                for ln, lr in MAIN_LINES)]
+    """The (line, lr, weight decay) keys of ``MAIN_LINES`` among ``rows``, in ``drawn_lines``' order; the
+    defaults' rule at the held-out lrs as (DEFAULTS[0], HELD_OUT, wd), after its line at the defaults' lr."""
+    keys = [k for k in drawn_lines(rows)
+            if any(k[0] == ln and (lr is None or (lr != HELD_OUT and abs(k[1] - lr) < 1e-12)) for ln, lr in MAIN_LINES)]
+    for wd in sorted({r["weight_decay"] for r in rows if _held_out(r)}):
+        at = [i for i, k in enumerate(keys) if k[0] == DEFAULTS[0] and k[2] == wd]
+        keys.insert(at[-1] + 1 if at else len(keys), (DEFAULTS[0], HELD_OUT, wd))
+    return keys
 
 
 def figure_main(rows: list[dict], path: str, title: str) -> str:
@@ -187,7 +213,7 @@ def figure_main(rows: list[dict], path: str, title: str) -> str:
     fig, ax = plt.subplots(figsize=(8, 6.4))
     _draw(ax, rows, drawn, min_seeds=1)
     top = 2.1  # (DiLoCo's 4 outer steps at H = 500 end far above: named, not drawn to scale)
-    off = [r for r in rows if (r["line"], r["lr"], r["weight_decay"]) in drawn and r["median"] > top]
+    off = [r for k in drawn for r in line_points(rows, k) if r["median"] > top]
     if off:
         ax.set_ylim(top=top)
         ax.text(0.02, 0.98, "off scale: " + "; ".join(f"{r['label']}: {r['median']:.3f}" for r in off),
@@ -197,7 +223,7 @@ def figure_main(rows: list[dict], path: str, title: str) -> str:
     handles, labels = ax.get_legend_handles_labels()
     fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=2, frameon=False)
     fig.tight_layout(rect=(0, 0.03 + 0.024 * ((len(labels) + 1) // 2), 1, 1))
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # (a long legend entry widens it, never cut)
     plt.close(fig)
     return path
 
