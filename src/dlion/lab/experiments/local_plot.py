@@ -50,7 +50,7 @@ EVERY_STEP = ("glion", "dlion_mavo", "gadamw", "powersgd_adamw:4")
 DEFAULTS = ("dlocal_mavo:alpha=0.83:vote=avg:mr=1", 3e-4, 32)
 #: H -> the lr the defaults' rule took at that H on the held-out seed 100 (docs/results.md, "The defaults'
 #: lr on a held-out seed" and "Shorter rounds at a higher lr"; the rules in docs/results/charlm-local-heldout)
-HELD_OUT_LRS = {32: 6e-4, 8: 3e-3}
+HELD_OUT_LRS = {32: 6e-4, 8: 3e-3, 4: 4e-3}
 #: the lr of a drawn line that stands for "the lr of HELD_OUT_LRS at each H"
 HELD_OUT = "held-out"
 #: (line, lr or None for any) drawn in final_vs_bits_main.png
