@@ -53,9 +53,9 @@ DEFAULTS = ("dlocal_mavo:alpha=0.83:vote=avg:mr=1", 3e-4, 32)
 HELD_OUT_LRS = {32: 6e-4, 8: 3e-3, 4: 4e-3}
 #: the lr of a drawn line that stands for "the lr of HELD_OUT_LRS at each H"
 HELD_OUT = "held-out"
-#: (line, lr or None for any) drawn in final_vs_bits_main.png
+#: (line, lr or None for any) drawn in final_vs_bits_main.png, besides the HELD_OUT curve (main_lines adds it)
 MAIN_LINES = (("glion", None), ("gadamw", None), ("powersgd_adamw", None), ("dlion_mavo", None),
-              ("dlocal_mavo", 1e-4), (DEFAULTS[0], DEFAULTS[1]), (DEFAULTS[0], HELD_OUT),
+              ("dlocal_mavo", 1e-4), (DEFAULTS[0], DEFAULTS[1]),
               ("diloco_adamw", None), ("diloco_adamw_bf16", None),
               ("diloco_lion_bf16", None))
 
@@ -195,7 +195,7 @@ def main_lines(rows: list[dict]) -> list[tuple]:
     """The (line, lr, weight decay) keys of ``MAIN_LINES`` among ``rows``, in ``drawn_lines``' order; the
     defaults' rule at the held-out lrs as (DEFAULTS[0], HELD_OUT, wd), after its line at the defaults' lr."""
     keys = [k for k in drawn_lines(rows)
-            if any(k[0] == ln and (lr is None or (lr != HELD_OUT and abs(k[1] - lr) < 1e-12)) for ln, lr in MAIN_LINES)]
+            if any(k[0] == ln and (lr is None or abs(k[1] - lr) < 1e-12) for ln, lr in MAIN_LINES)]
     for wd in sorted({r["weight_decay"] for r in rows if _held_out(r)}):
         at = [i for i, k in enumerate(keys) if k[0] == DEFAULTS[0] and k[2] == wd]
         keys.insert(at[-1] + 1 if at else len(keys), (DEFAULTS[0], HELD_OUT, wd))
