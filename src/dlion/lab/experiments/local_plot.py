@@ -17,9 +17,9 @@ Reads any number of ``runs.jsonl`` files (re-run it as more runs finish) and wri
                        experiment) is left out unless ``--all-variants`` (it stays in the summary);
 ``final_vs_bits_main.png``  one panel for the README: the every-step points, the majority vote's
                        and the defaults' rule's curves over H (``MAIN_LINES``) and DiLoCo's,
-                       every seed count (no bar: one seed), the defaults' point named; and the
-                       defaults' rule at the lr a held-out seed chose for each H
-                       (``HELD_OUT_LRS``) as one curve;
+                       every seed count (no bar: one seed), the defaults' point named; and, one
+                       curve each, the defaults' rule and DiLoCo with AdamW at the settings a
+                       held-out seed chose for each H (``HELD_OUT_PICKS``);
 ``summary.csv`` / ``summary.json``  one row per method spec: seeds, median / min / max / mean of
                        the final metric, bits, H, lr, weight decay, seconds per run.
 
@@ -41,36 +41,43 @@ from collections import defaultdict
 import numpy as np
 
 from .plots import COLORS, MARKERS, _line, _ordered
-from .runner import LOCAL_METHODS, canonical, common_bits, label, load_runs, parse_method, twin
+from .runner import LOCAL_METHODS, canonical, common_bits, label, load_runs, local_options, parse_method, twin
 
 __all__ = ["main", "summary_rows", "drawn_lines", "main_lines", "line_points"]
 
 EVERY_STEP = ("glion", "dlion_mavo", "gadamw", "powersgd_adamw:4")
 #: LocalDistributedLion's defaults since 0.3: the Avg vote, outer scale 0.83, the momenta reset, lr 3e-4, H = 32
 DEFAULTS = ("dlocal_mavo:alpha=0.83:vote=avg:mr=1", 3e-4, 32)
-#: H -> the lr the defaults' rule took at that H on the held-out seed 100 (docs/results.md, "The defaults'
-#: lr on a held-out seed" and "Shorter rounds at a higher lr"; the rules in docs/results/charlm-local-heldout)
-HELD_OUT_LRS = {32: 6e-4, 8: 3e-3, 4: 4e-3}
-#: the lr of a drawn line that stands for "the lr of HELD_OUT_LRS at each H"
+#: the settings a held-out seed (100) chose at each H, one curve each in the README panel: the curve's line
+#: (its colour, marker and name) -> {spec: lr}. The rules: docs/results/charlm-local-heldout/rule_*.txt; the runs:
+#: docs/results.md, "The defaults' lr on a held-out seed", "Shorter rounds at a higher lr", "DiLoCo's lrs on a
+#: held-out seed". DiLoCo's curve joins its lowest loss within each budget: fp32 at H = 10, bf16 at H = 50 and 100.
+HELD_OUT_PICKS = {
+    DEFAULTS[0]: {"dlocal_mavo:32:alpha=0.83:vote=avg:mr=1": 6e-4, "dlocal_mavo:8:alpha=0.83:vote=avg:mr=1": 3e-3,
+                  "dlocal_mavo:4:alpha=0.83:vote=avg:mr=1": 4e-3},
+    "diloco_adamw": {"diloco_adamw:10:outer_lr=0.5": 4e-3, "diloco_adamw_bf16:50": 6e-3,
+                     "diloco_adamw_bf16:100": 3e-3},
+}
+#: the lr of a drawn line that stands for "the held-out pick at each H" (HELD_OUT_PICKS[line])
 HELD_OUT = "held-out"
-#: (line, lr or None for any) drawn in final_vs_bits_main.png, besides the HELD_OUT curve (main_lines adds it)
+#: (line, lr or None for any) drawn in final_vs_bits_main.png, besides the HELD_OUT curves (main_lines adds them)
 MAIN_LINES = (("glion", None), ("gadamw", None), ("powersgd_adamw", None), ("dlion_mavo", None),
               ("dlocal_mavo", 1e-4), (DEFAULTS[0], DEFAULTS[1]),
-              ("diloco_adamw", None), ("diloco_adamw_bf16", None),
+              ("diloco_adamw", 3e-3), ("diloco_adamw_bf16", 3e-3),  # (G-AdamW's lr; the picks: HELD_OUT_PICKS)
               ("diloco_lion_bf16", None))
 
 
-def _held_out(r: dict) -> bool:
-    """Whether row ``r`` is the defaults' rule at the lr the held-out seed chose for its H."""
-    lr = HELD_OUT_LRS.get(r["H"])
-    return r["line"] == DEFAULTS[0] and lr is not None and abs(r["lr"] - lr) < 1e-12
+def _held_out(r: dict, line: str | None = None) -> bool:
+    """Whether row ``r`` is a held-out pick (of the curve ``line``, or of any)."""
+    return any(abs(r["lr"] - lr) < 1e-12 for ln, picks in HELD_OUT_PICKS.items() if line in (None, ln)
+               for spec, lr in picks.items() if canonical(spec) == r["method"])
 
 
 def line_points(rows: list[dict], key: tuple) -> list[dict]:
-    """The rows of a drawn line: (line, lr, weight decay), or (DEFAULTS[0], HELD_OUT, wd)."""
+    """The rows of a drawn line: (line, lr, weight decay), or (a line of HELD_OUT_PICKS, HELD_OUT, wd)."""
     ln, lr, wd = key
     if lr == HELD_OUT:
-        return [r for r in rows if _held_out(r) and r["weight_decay"] == wd]
+        return [r for r in rows if _held_out(r, ln) and r["weight_decay"] == wd]
     return [r for r in rows if (r["line"], r["lr"], r["weight_decay"]) == key]
 
 
@@ -127,6 +134,14 @@ def drawn_lines(rows: list[dict], all_variants: bool = True) -> list[tuple]:
     return lines
 
 
+def _settings(r: dict) -> str:
+    """What a held-out pick set: its lr, and DiLoCo's all-reduce precision and outer lr."""
+    base = r["method"].split(":", 1)[0]
+    extra = [] if base == "dlocal_mavo" else ["bf16" if base.endswith("_bf16") else "fp32",
+                                              f"outer lr {local_options(r['method'])['outer_lr']:g}"]
+    return ", ".join([f"lr {r['lr']:g}"] + extra)
+
+
 def _draw(ax, rows: list[dict], drawn: list[tuple], min_seeds: int) -> None:
     """The lines ``drawn`` on ``ax``, each through its points run on ``min_seeds`` seeds or more."""
     for ln, lr, wd in drawn:
@@ -141,9 +156,11 @@ def _draw(ax, rows: list[dict], drawn: list[tuple], min_seeds: int) -> None:
         err = [[r["median"] - r["min"] for r in pts], [r["max"] - r["median"] for r in pts]]
         local = b in LOCAL_METHODS
         style = ("-" if ln == b else "--", ":", "-.")[min(nth, 2)]
-        if lr == HELD_OUT:  # (each point names its lr)
-            text = (pts[0]["label"].split(" (lr ")[0].replace(f" H={pts[0]['H']}", "") + " (held-out lr per H), H = "
-                    + ", ".join(str(r["H"]) for r in sorted(pts, key=lambda r: r["H"])))
+        if lr == HELD_OUT:  # (each point names its settings)
+            name = (label(f"{b}:1").split(" H=")[0] if ln == b  # (DiLoCo: fp32 or bf16 per point, named there)
+                    else pts[0]["label"].split(" (lr ")[0].replace(f" H={pts[0]['H']}", ""))
+            text = name + " at the held-out pick for each H, H = " + ", ".join(
+                str(r["H"]) for r in sorted(pts, key=lambda r: r["H"]))
         elif local:
             text = pts[0]["label"].replace(f" H={pts[0]['H']}", "") + ", H = " + ", ".join(
                 str(r["H"]) for r in sorted(pts, key=lambda r: r["H"]))
@@ -155,8 +172,8 @@ def _draw(ax, rows: list[dict], drawn: list[tuple], min_seeds: int) -> None:
         if local:
             for r in pts:
                 named = (ln, r["H"]) == (DEFAULTS[0], DEFAULTS[2]) and abs(r["lr"] - DEFAULTS[1]) < 1e-12
-                held = _held_out(r)
-                ax.annotate(f"H={r['H']}" + (": the defaults" if named else f", lr {r['lr']:g} (held-out choice)"
+                held = lr == HELD_OUT
+                ax.annotate(f"H={r['H']}" + (": the defaults" if named else f", {_settings(r)} (held-out choice)"
                                              if held else ""), (r["bits"], r["median"]),
                             textcoords="offset points", xytext=(-6, -13) if named else (4, 4),
                             ha="right" if named else "left",
@@ -192,13 +209,14 @@ def figure(rows: list[dict], path: str, title: str, all_variants: bool = True) -
 
 
 def main_lines(rows: list[dict]) -> list[tuple]:
-    """The (line, lr, weight decay) keys of ``MAIN_LINES`` among ``rows``, in ``drawn_lines``' order; the
-    defaults' rule at the held-out lrs as (DEFAULTS[0], HELD_OUT, wd), after its line at the defaults' lr."""
+    """The (line, lr, weight decay) keys of ``MAIN_LINES`` among ``rows``, in ``drawn_lines``' order; each
+    curve of ``HELD_OUT_PICKS`` as (line, HELD_OUT, wd), after that line's other keys."""
     keys = [k for k in drawn_lines(rows)
             if any(k[0] == ln and (lr is None or abs(k[1] - lr) < 1e-12) for ln, lr in MAIN_LINES)]
-    for wd in sorted({r["weight_decay"] for r in rows if _held_out(r)}):
-        at = [i for i, k in enumerate(keys) if k[0] == DEFAULTS[0] and k[2] == wd]
-        keys.insert(at[-1] + 1 if at else len(keys), (DEFAULTS[0], HELD_OUT, wd))
+    for ln in HELD_OUT_PICKS:
+        for wd in sorted({r["weight_decay"] for r in rows if _held_out(r, ln)}):
+            at = [i for i, k in enumerate(keys) if k[0] == ln and k[2] == wd]
+            keys.insert(at[-1] + 1 if at else len(keys), (ln, HELD_OUT, wd))
     return keys
 
 
