@@ -172,7 +172,8 @@ def _draw(ax, rows: list[dict], drawn: list[tuple], min_seeds: int) -> None:
         if local:
             for r in pts:
                 named = (ln, r["H"]) == (DEFAULTS[0], DEFAULTS[2]) and abs(r["lr"] - DEFAULTS[1]) < 1e-12
-                held = lr == HELD_OUT
+                # a pick is named on its curve where one is drawn (the README panel), else on its own line
+                held = lr == HELD_OUT or (_held_out(r) and not any(k[1] == HELD_OUT for k in drawn))
                 ax.annotate(f"H={r['H']}" + (": the defaults" if named else f", {_settings(r)} (held-out choice)"
                                              if held else ""), (r["bits"], r["median"]),
                             textcoords="offset points", xytext=(-6, -13) if named else (4, 4),
