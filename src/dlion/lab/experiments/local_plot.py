@@ -144,6 +144,8 @@ def _settings(r: dict) -> str:
 
 def _draw(ax, rows: list[dict], drawn: list[tuple], min_seeds: int) -> None:
     """The lines ``drawn`` on ``ax``, each through its points run on ``min_seeds`` seeds or more."""
+    # a pick is named on its held-out curve where one is drawn (the README panel), else on its own line
+    picks_on_curves = any(k[1] == HELD_OUT for k in drawn)
     for ln, lr, wd in drawn:
         nth = [k for k in drawn if k[0] == ln].index((ln, lr, wd))  # the same line at other lrs: dotted, dash-dot
         pts = sorted((r for r in line_points(rows, (ln, lr, wd)) if len(r["seeds"]) >= min_seeds),
@@ -172,8 +174,7 @@ def _draw(ax, rows: list[dict], drawn: list[tuple], min_seeds: int) -> None:
         if local:
             for r in pts:
                 named = (ln, r["H"]) == (DEFAULTS[0], DEFAULTS[2]) and abs(r["lr"] - DEFAULTS[1]) < 1e-12
-                # a pick is named on its curve where one is drawn (the README panel), else on its own line
-                held = lr == HELD_OUT or (_held_out(r) and not any(k[1] == HELD_OUT for k in drawn))
+                held = lr == HELD_OUT or (_held_out(r) and not picks_on_curves)
                 ax.annotate(f"H={r['H']}" + (": the defaults" if named else f", {_settings(r)} (held-out choice)"
                                              if held else ""), (r["bits"], r["median"]),
                             textcoords="offset points", xytext=(-6, -13) if named else (4, 4),
