@@ -52,12 +52,12 @@ DEFAULTS = ("dlocal_mavo:alpha=0.83:vote=avg:mr=1", 3e-4, 32)
 #: (its colour, marker and name) -> {spec: lr}. The rules: docs/results/charlm-local-heldout/rule_*.txt; the runs:
 #: docs/results.md, "The defaults' lr on a held-out seed", "Shorter rounds at a higher lr", "DiLoCo's lrs on a
 #: held-out seed", "Between 0.75 and 4.8 bits". DiLoCo's curve joins its lowest loss within each budget: fp32 at H = 10,
-#: bf16 at H = 25, 50 and 100.
+#: bf16 at H = 25, 32, 50 and 100.
 HELD_OUT_PICKS = {
     DEFAULTS[0]: {"dlocal_mavo:32:alpha=0.83:vote=avg:mr=1": 6e-4, "dlocal_mavo:8:alpha=0.83:vote=avg:mr=1": 3e-3,
                   "dlocal_mavo:4:alpha=0.83:vote=avg:mr=1": 4e-3, "dlocal_mavo:2:alpha=0.83:vote=avg:mr=1": 6e-3},
-    "diloco_adamw": {"diloco_adamw:10:outer_lr=0.5": 4e-3, "diloco_adamw_bf16:25": 6e-3, "diloco_adamw_bf16:50": 6e-3,
-                     "diloco_adamw_bf16:100": 3e-3},
+    "diloco_adamw": {"diloco_adamw:10:outer_lr=0.5": 4e-3, "diloco_adamw_bf16:25": 6e-3, "diloco_adamw_bf16:32": 6e-3,
+                     "diloco_adamw_bf16:50": 6e-3, "diloco_adamw_bf16:100": 3e-3},
 }
 #: the lr of a drawn line that stands for "the held-out pick at each H" (HELD_OUT_PICKS[line])
 HELD_OUT = "held-out"
@@ -176,10 +176,14 @@ def _draw(ax, rows: list[dict], drawn: list[tuple], min_seeds: int) -> None:
             for r in pts:
                 named = (ln, r["H"]) == (DEFAULTS[0], DEFAULTS[2]) and abs(r["lr"] - DEFAULTS[1]) < 1e-12
                 held = lr == HELD_OUT or (_held_out(r) and not picks_on_curves)
-                ax.annotate(f"H={r['H']}" + (": the defaults" if named else f", {_settings(r)} (held-out choice)"
-                                             if held else ""), (r["bits"], r["median"]),
-                            textcoords="offset points", xytext=(-6, -13) if named else (4, 4),
-                            ha="right" if named else "left",
+                text = f"H={r['H']}" + (": the defaults" if named else f", {_settings(r)} (held-out choice)"
+                                        if held and lr != HELD_OUT else "")
+                xytext, ha = ((-6, -13), "right") if named else ((4, 4), "left")
+                if lr == HELD_OUT:  # both held-out curves pass 0.75 bits: short names, below left (the vote,
+                    # but its last point) and right
+                    text += f", lr {r['lr']:g}" if b == "dlocal_mavo" else ", " + _settings(r).split(", ")[1]
+                    xytext, ha = ((-5, -10), "right") if b == "dlocal_mavo" and r is not pts[-1] else ((5, -9), "left")
+                ax.annotate(text, (r["bits"], r["median"]), textcoords="offset points", xytext=xytext, ha=ha,
                             fontsize=8 if named else 6, color=COLORS[b], fontweight="bold" if named else "normal")
     ref = [r for r in rows if r["method"] == "glion"]
     if ref:
