@@ -135,11 +135,15 @@ def drawn_lines(rows: list[dict], all_variants: bool = True) -> list[tuple]:
     return lines
 
 
+def _precision(r: dict) -> str:
+    """DiLoCo's all-reduce precision in row ``r``."""
+    return "bf16" if r["method"].split(":", 1)[0].endswith("_bf16") else "fp32"
+
+
 def _settings(r: dict) -> str:
     """What a held-out pick set: its lr, and DiLoCo's all-reduce precision and outer lr."""
-    base = r["method"].split(":", 1)[0]
-    extra = [] if base == "dlocal_mavo" else ["bf16" if base.endswith("_bf16") else "fp32",
-                                              f"outer lr {local_options(r['method'])['outer_lr']:g}"]
+    extra = [] if r["method"].startswith("dlocal_mavo") else [
+        _precision(r), f"outer lr {local_options(r['method'])['outer_lr']:g}"]
     return ", ".join([f"lr {r['lr']:g}"] + extra)
 
 
@@ -175,14 +179,17 @@ def _draw(ax, rows: list[dict], drawn: list[tuple], min_seeds: int) -> None:
         if local:
             for r in pts:
                 named = (ln, r["H"]) == (DEFAULTS[0], DEFAULTS[2]) and abs(r["lr"] - DEFAULTS[1]) < 1e-12
-                held = lr == HELD_OUT or (_held_out(r) and not picks_on_curves)
-                text = f"H={r['H']}" + (": the defaults" if named else f", {_settings(r)} (held-out choice)"
-                                        if held and lr != HELD_OUT else "")
-                xytext, ha = ((-6, -13), "right") if named else ((4, 4), "left")
-                if lr == HELD_OUT:  # both held-out curves pass 0.75 bits: short names, below left (the vote,
-                    # but its last point) and right
-                    text += f", lr {r['lr']:g}" if b == "dlocal_mavo" else ", " + _settings(r).split(", ")[1]
-                    xytext, ha = ((-5, -10), "right") if b == "dlocal_mavo" and r is not pts[-1] else ((5, -9), "left")
+                vote = b == "dlocal_mavo"
+                if named:
+                    text, xytext, ha = f"H={r['H']}: the defaults", (-6, -13), "right"
+                elif lr == HELD_OUT:  # both held-out curves pass 0.75 bits: short names (the legend says
+                    # "held-out"), the vote's below left of its points but the last, DiLoCo's below right
+                    text = f"H={r['H']}, " + (f"lr {r['lr']:g}" if vote else _precision(r))
+                    xytext, ha = ((-5, -10), "right") if vote and r is not pts[-1] else ((5, -9), "left")
+                else:
+                    text, xytext, ha = f"H={r['H']}", (4, 4), "left"
+                    if _held_out(r) and not picks_on_curves:
+                        text += f", {_settings(r)} (held-out choice)"
                 ax.annotate(text, (r["bits"], r["median"]), textcoords="offset points", xytext=xytext, ha=ha,
                             fontsize=8 if named else 6, color=COLORS[b], fontweight="bold" if named else "normal")
     ref = [r for r in rows if r["method"] == "glion"]
