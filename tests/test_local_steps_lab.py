@@ -545,7 +545,7 @@ def test_the_readme_panel_draws_the_vote_the_defaults_rule_and_diloco_only():
     # the defaults' rule at the defaults' lr, and one curve through the lr the held-out seed chose at each H
     # (6e-4 at H = 32, 3e-3 at H = 8, 6e-3 at H = 2), not at 2e-4, 1e-3 or 4e-3; DiLoCo with AdamW at its published
     # settings, and one curve through its held-out picks (fp32 at H = 10 with outer lr 0.5 and lr 4e-3, bf16 at H = 25,
-    # 32 and 50 at 6e-3 with outer lr 0.7, not at H = 25 with 4e-3 and 0.5, and at H = 100)
+    # 32 and 50 at 6e-3 with outer lr 0.7 (not at H = 25 with 4e-3 and 0.5), and at H = 100)
     held = ("dlocal_mavo:alpha=0.83:vote=avg:mr=1", "held-out", 0.1)
     held_diloco = ("diloco_adamw", "held-out", 0.1)
     assert main_lines(rows) == [("glion", 1e-4, 0.1), ("dlocal_mavo", 1e-4, 0.1),
