@@ -503,6 +503,40 @@ def test_ttq_local_methods_evaluate_the_anchor(tmp_path):
     assert bits["diloco-adamw-h6"] == pytest.approx(2 * 0.5 * 32 / 6)  # (its own H: one sync in 6 steps)
 
 
+def test_cached_evaluation_recomputes_exactly_when_a_parameter_or_buffer_changes(monkeypatch):
+    import torch
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 2)
+            self.register_buffer("shift", torch.zeros(2))
+
+        def forward(self, x, y):
+            return None, torch.nn.functional.cross_entropy(self.lin(x) + self.shift, y)
+
+    torch.manual_seed(0)
+    model, batches = Tiny(), [(torch.randn(5, 3), torch.randint(0, 2, (5,))) for _ in range(2)]
+    fresh = []
+    monkeypatch.setattr(ttq, "evaluate", lambda m, b: fresh.append(1) or sum(
+        float(m(x, y)[1]) for x, y in b) / len(b))
+    cached = ttq.CachedEvaluate(batches)
+    first = cached(model)
+    assert cached(model) == first and len(fresh) == 1  # nothing moved: reused
+    with torch.no_grad():
+        w = model.lin.weight[0, 0].item()
+        model.lin.weight[0, 0] = torch.nextafter(torch.tensor(w), torch.tensor(math.inf))  # one ulp
+    moved = cached(model)
+    assert len(fresh) == 2
+    with torch.no_grad():
+        model.lin.weight[0, 0] = w
+    assert cached(model) == first and len(fresh) == 3  # back at the first parameters: computed again
+    with torch.no_grad():
+        model.shift[1] = 0.5
+    assert cached(model) != first and len(fresh) == 4
+    assert cached(model) != moved and len(fresh) == 4
+
+
 def test_step_times_of_another_sync_every_are_refused_for_local_methods(tmp_path):
     cfg = {**{k: 1 for k in ttq.MODEL_KEYS}, "sync_every": 10}
     doc = {"config": {**cfg, "sync_every": 5}, "workers": 4,
