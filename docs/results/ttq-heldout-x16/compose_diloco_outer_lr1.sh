@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+set -e
+# DiLoCo AdamW bf16 at H = 100, lr 1e-4, at the outer lr 1.0 the held-out rule's part 10 chose on seed 100
+# (docs/results/ttq-heldout/rule_part10.txt), composed like the outer lr 0.7 rows (docs/benchmarks.md, ᵃ) on
+# the emulated 16x and 4x hosts, targets 2.1 and 2.2; then the local votes' rows moved onto the others'
+# compute-only step again, now beside it. Run from anywhere, after the five runs
+#   dlion bench ttq $R --methods diloco-adamw-bf16 --sync-every 100 --outer-lr 1.0 --lr 1e-4 --seed K \
+#       --out docs/results/ttq-heldout/diloco-bf16-h100-olr1.0-lr1e-4-seedK   # K = 0-4
+cd "$(dirname "$0")/../../.."
+P=${PYTHON:-python}
+RUNS=docs/results/ttq-heldout/diloco-bf16-h100-olr1.0-lr1e-4-seed
+for HOST in x16 x4; do
+  if [ $HOST = x16 ]; then S=16; OWN=docs/results/e2e-local-x16-h100/e2e_results.json; REF=docs/results/e2e-local-x16/e2e_results.json
+       LINKS=3125kbit,6250kbit,62500kbit
+  else S=4; OWN=docs/results/e2e-local-x4-h100/e2e_results.json; REF=docs/results/e2e-faster-host-x4/e2e_results.json
+       LINKS=12500kbit,25mbit,250mbit; fi
+  for T in 2.1 2.2; do
+    O=docs/results/ttq-heldout-$HOST; [ $T = 2.2 ] && O=docs/results/ttq-heldout-$HOST-target2.2
+    for K in 0 1 2 3 4; do
+      $P -m dlion bench ttq --curves $RUNS$K/ttq_results.json --step-times $OWN --target $T --compute-speedup $S \
+          --out $O/diloco-bf16-h100-olr1.0-seed$K > /dev/null
+    done
+    $P -m dlion bench ttq --across $O/diloco-bf16-h100-olr1.0-seed{0,1,2,3,4}/ttq_results.json \
+        --out $O/seeds-diloco-bf16-h100-olr1.0 > /dev/null
+    # the others as the outer lr 0.7 row was compared with them
+    if [ $HOST = x16 ]; then OTHERS="$O/seeds-w0.1/ttq_seeds.json $O/seeds-avg/ttq_seeds.json"
+    else OTHERS=$O/seeds-w0.1/ttq_seeds.json; fi
+    D=$O/seeds-diloco-bf16-h100-olr1.0/rebased.json
+    $P scripts/ttq_rebase_compute.py --steps-json $O/seeds-diloco-bf16-h100-olr1.0/ttq_seeds.json \
+        --method diloco-adamw-bf16 --e2e-method diloco-adamw-bf16 --own $OWN --ref $REF --speedup $S --raw-links $LINKS \
+        --others $OTHERS --out $D > /dev/null
+    # the local votes' rows again, each with its rebased.json's own inputs and this DiLoCo row added to the
+    # others (into rebased-vs-diloco-olr1.0.json beside it)
+    for NAME in avg-h32-reset avg-h32-reset-lr6e-4 avg-h25-reset avg-h50-reset avg-st-h25-f3-ra avg-st-h25-d11 avg-st-h25-d3; do
+      F=$O/seeds-$NAME/rebased.json; [ -f $F ] || continue   # (not composed for this host or target)
+      mapfile -t ARGS < <($P - "$F" "$D" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))["command_inputs"]
+args = ["--steps-json", c["steps_json"], "--method", c["method"], "--e2e-method", c["e2e_method"], "--own", c["own"],
+        "--ref", c["ref"], "--speedup", str(c["speedup"]), "--others", *c["others"],
+        "--rebased-others", *c["rebased_others"], sys.argv[2], "--out", c["out"].replace("rebased.json", "rebased-vs-diloco-olr1.0.json")]
+print("\n".join(args + (["--links", *c["links"]] if c.get("links") else [])))
+PY
+)
+      $P scripts/ttq_rebase_compute.py "${ARGS[@]}" --raw-links $LINKS > /dev/null
+    done
+  done
+done
