@@ -32,7 +32,7 @@ def test_time_to_target_matches_the_committed_seed_summaries(doc):
                  "d-local-avg-h25": "ttq-heldout-x16/seeds-avg-h25-reset/ttq_seeds.json",
                  "d-local-avg-h32": "ttq-heldout-x16/seeds-avg-h32-reset/ttq_seeds.json",
                  "d-local-avg-st": "ttq-heldout-x16/seeds-avg-st-h25-f3-ra/ttq_seeds.json",
-                 "diloco-adamw-bf16": "ttq-heldout-x16/seeds-diloco-bf16-h100/ttq_seeds.json"}
+                 "diloco-adamw-bf16": "ttq-heldout-x16/seeds-diloco-bf16-h100-olr1.0/ttq_seeds.json"}
     for p in doc["panels"]:
         for row in p["methods"]:
             with open(os.path.join(RESULTS, summaries.get(row["key"], summaries[p["key"]]))) as f:
@@ -67,10 +67,12 @@ def test_the_lead_and_the_loss_read_in_the_readme(doc):
     # the Avg vote every 50 steps with the reset never reaches 2.1; DiLoCo bf16 at H = 100 does on all five seeds
     assert (x16["d-local-avg"]["seeds_reaching"], x16["d-local-avg"]["seeds_run"]) == (0, 5)
     assert (x16["diloco-adamw-bf16"]["seeds_reaching"], x16["diloco-adamw-bf16"]["seeds_run"]) == (5, 5)
-    # every 25 steps with the reset it does, on all five, in fewer steps than DiLoCo and sooner at 50 Mbit/s
+    # every 25 steps with the reset it does, on all five, in no more steps than DiLoCo at its outer lr 1.0 (800 on
+    # two seeds, 900 on three) and sooner at 50 Mbit/s
     h25 = x16["d-local-avg-h25"]
     assert (h25["seeds_reaching"], h25["seeds_run"]) == (5, 5)
-    assert max(h25["steps"]) < min(x16["diloco-adamw-bf16"]["steps"])
+    assert sorted(x16["diloco-adamw-bf16"]["steps"]) == [800, 800, 900, 900, 900]
+    assert max(h25["steps"]) <= min(x16["diloco-adamw-bf16"]["steps"])
     assert h25["max_s"] < x16["diloco-adamw-bf16"]["min_s"]
     # streamed in 3 fragments (its own e2e run, the step at compute-only): all five, each sooner than any H = 25 seed
     st = x16["d-local-avg-st"]

@@ -67,8 +67,8 @@ PANELS = (
         ("d-local-avg-st", "Local D-Lion Avg, H = 25, streamed in 3 fragments",
          "ttq-heldout-x16/dlocal-avg-st-h25-f3-ra-seed{}/ttq_results.json", range(5),
          {"e2e": "e2e-local-x16-avg-st-h25-f3/e2e_results.json", "color": "tab:gray"}),
-        ("diloco-adamw-bf16", "DiLoCo AdamW bf16, H = 100",
-         "ttq-heldout-x16/diloco-bf16-h100-lr1e-4-seed{}/ttq_results.json", range(5),
+        ("diloco-adamw-bf16", "DiLoCo AdamW bf16, H = 100, outer lr 1.0",
+         "ttq-heldout-x16/diloco-bf16-h100-olr1.0-seed{}/ttq_results.json", range(5),
          {"e2e": "e2e-local-x16-h100/e2e_results.json", "color": "tab:pink"}),
     ]),
 )
