@@ -543,11 +543,13 @@ def test_the_readme_panel_draws_the_vote_the_defaults_rule_and_diloco_only():
             rec("dlocal_mavo:2:alpha=0.83:vote=avg:mr=1", 0, 4e-3),
             rec("diloco_adamw_bf16:100:outer_lr=1", 0, 6e-3), rec("diloco_adamw_bf16:100", 0, 6e-3),
             rec("diloco_adamw_bf16:250", 0, 6e-3), rec("diloco_adamw_bf16:250", 0, 3e-3),
-            rec("diloco_adamw_bf16:500:outer_lr=1", 0, 3e-3), rec("diloco_adamw_bf16:500:outer_lr=1.4", 0, 3e-3)]
+            rec("diloco_adamw_bf16:500:outer_lr=1", 0, 3e-3), rec("diloco_adamw_bf16:500:outer_lr=1.4", 0, 3e-3),
+            rec("diloco_adamw_bf16:10:outer_lr=0.5", 0, 4e-3), rec("diloco_adamw_bf16:10", 0, 6e-3)]
     rows = summary_rows(runs)
     # the defaults' rule at the defaults' lr, and one curve through the lr the held-out seed chose at each H
     # (6e-4 at H = 32, 3e-3 at H = 8, 6e-3 at H = 2), not at 2e-4, 1e-3 or 4e-3; DiLoCo with AdamW at its published
-    # settings, and one curve through its held-out picks (fp32 at H = 10 with outer lr 0.5 and lr 4e-3, bf16 at H = 25,
+    # settings, and one curve through its held-out picks (fp32 and bf16 at H = 10 with outer lr 0.5 and lr 4e-3 (not
+    # bf16 at 6e-3 with 0.7), bf16 at H = 25,
     # 32, 50 and 250 at 6e-3 with outer lr 0.7 (not at H = 25 with 4e-3 and 0.5, nor at H = 250 with 3e-3), at
     # H = 100 at 6e-3 with outer lr 1.0 (not with 0.7, nor at G-AdamW's 3e-3: that run is the published-settings
     # curve's), and at H = 500 at 3e-3 with outer lr 1.0 (not 1.4))
@@ -560,5 +562,6 @@ def test_the_readme_panel_draws_the_vote_the_defaults_rule_and_diloco_only():
     assert sorted((r["H"], r["lr"]) for r in line_points(rows, held)) == [(2, 6e-3), (8, 3e-3), (32, 6e-4)]
     assert sorted((r["method"], r["lr"]) for r in line_points(rows, held_diloco)) == [
         ("diloco_adamw:10:outer_lr=0.5", 4e-3), ("diloco_adamw_bf16:100:outer_lr=1", 6e-3),
+        ("diloco_adamw_bf16:10:outer_lr=0.5", 4e-3),
         ("diloco_adamw_bf16:25", 6e-3), ("diloco_adamw_bf16:250", 6e-3), ("diloco_adamw_bf16:32", 6e-3),
         ("diloco_adamw_bf16:50", 6e-3), ("diloco_adamw_bf16:500:outer_lr=1", 3e-3)]

@@ -56,7 +56,8 @@ DEFAULTS = ("dlocal_mavo:alpha=0.83:vote=avg:mr=1", 3e-4, 32)
 HELD_OUT_PICKS = {
     DEFAULTS[0]: {"dlocal_mavo:32:alpha=0.83:vote=avg:mr=1": 6e-4, "dlocal_mavo:8:alpha=0.83:vote=avg:mr=1": 3e-3,
                   "dlocal_mavo:4:alpha=0.83:vote=avg:mr=1": 4e-3, "dlocal_mavo:2:alpha=0.83:vote=avg:mr=1": 6e-3},
-    "diloco_adamw": {"diloco_adamw:10:outer_lr=0.5": 4e-3, "diloco_adamw_bf16:25": 6e-3, "diloco_adamw_bf16:32": 6e-3,
+    "diloco_adamw": {"diloco_adamw:10:outer_lr=0.5": 4e-3, "diloco_adamw_bf16:10:outer_lr=0.5": 4e-3,
+                     "diloco_adamw_bf16:25": 6e-3, "diloco_adamw_bf16:32": 6e-3,
                      "diloco_adamw_bf16:50": 6e-3, "diloco_adamw_bf16:100:outer_lr=1": 6e-3,
                      "diloco_adamw_bf16:250": 6e-3, "diloco_adamw_bf16:500:outer_lr=1": 3e-3},
 }
