@@ -1,22 +1,27 @@
 #!/usr/bin/env bash
 set -e
 # DiLoCo AdamW bf16 at H = 50 at the lrs the held-out rule's part 11 chose on seed 100 (inner LR, outer OLR:
-# docs/results/ttq-heldout/rule_part11.txt), composed with its own e2e run on the emulated 16x host
-# (e2e-local-x16-h50; no 4x host run), targets 2.1 and 2.2, moved onto the others' compute-only step like
+# docs/results/ttq-heldout/rule_part11.txt), composed with its own e2e runs on the emulated 16x and 4x hosts
+# (e2e-local-x16-h50, e2e-local-x4-h50), targets 2.1 and 2.2, moved onto the others' compute-only step like
 # the H = 100 rows; then the local votes' rows again beside all three DiLoCo rows (H = 100 at outer lr 0.7
 # and 1.0, H = 50), into rebased-vs-diloco-h50.json beside each row's rebased.json. Run from anywhere, after
 #   dlion bench e2e --link 3125kbit,6250kbit,62500kbit --queue 800ms --ties random --methods compute,diloco-adamw-bf16 \
 #       --sync-every 50 --steps 200 --warmup 3 --fused --no-progress --out docs/results/e2e-local-x16-h50
+#   (the 4x host: --link 12500kbit,25mbit,250mbit --queue 200ms --bucket-mb 6 ... --out docs/results/e2e-local-x4-h50)
 #   dlion bench ttq $R --methods diloco-adamw-bf16 --sync-every 50 --outer-lr OLR --lr LR --seed K \
 #       --out docs/results/ttq-heldout/diloco-bf16-h50-olrOLR-lrLR-seedK   # K = 0-4
 cd "$(dirname "$0")/../../.."
 P=${PYTHON:-python}
 LR=${LR:?the chosen inner lr}; OLR=${OLR:?the chosen outer lr}
 RUNS=docs/results/ttq-heldout/diloco-bf16-h50-olr$OLR-lr$LR-seed
-S=16; OWN=docs/results/e2e-local-x16-h50/e2e_results.json; REF=docs/results/e2e-local-x16/e2e_results.json
-LINKS=3125kbit,6250kbit,62500kbit
+for HOST in x16 x4; do
+if [ $HOST = x16 ]; then S=16; OWN=docs/results/e2e-local-x16-h50/e2e_results.json; REF=docs/results/e2e-local-x16/e2e_results.json
+     LINKS=3125kbit,6250kbit,62500kbit
+else S=4; OWN=docs/results/e2e-local-x4-h50/e2e_results.json; REF=docs/results/e2e-faster-host-x4/e2e_results.json
+     LINKS=12500kbit,25mbit,250mbit; fi
 for T in 2.1 2.2; do
-  O=docs/results/ttq-heldout-x16; [ $T = 2.2 ] && O=docs/results/ttq-heldout-x16-target2.2
+  O=docs/results/ttq-heldout-$HOST; [ $T = 2.2 ] && O=docs/results/ttq-heldout-$HOST-target2.2
+  if [ $HOST = x16 ]; then OTHERS="$O/seeds-w0.1/ttq_seeds.json $O/seeds-avg/ttq_seeds.json"; else OTHERS=$O/seeds-w0.1/ttq_seeds.json; fi
   for K in 0 1 2 3 4; do
     $P -m dlion bench ttq --curves $RUNS$K/ttq_results.json --step-times $OWN --target $T --compute-speedup $S \
         --out $O/diloco-bf16-h50-seed$K > /dev/null
@@ -25,7 +30,7 @@ for T in 2.1 2.2; do
   D=$O/seeds-diloco-bf16-h50/rebased.json
   $P scripts/ttq_rebase_compute.py --steps-json $O/seeds-diloco-bf16-h50/ttq_seeds.json \
       --method diloco-adamw-bf16 --e2e-method diloco-adamw-bf16 --own $OWN --ref $REF --speedup $S --raw-links $LINKS \
-      --others $O/seeds-w0.1/ttq_seeds.json $O/seeds-avg/ttq_seeds.json \
+      --others $OTHERS \
       --rebased-others $O/seeds-diloco-bf16-h100/rebased.json $O/seeds-diloco-bf16-h100-olr1.0/rebased.json --out $D > /dev/null
   for NAME in avg-h32-reset avg-h32-reset-lr6e-4 avg-h25-reset avg-h50-reset avg-st-h25-f3-ra avg-st-h25-d11 avg-st-h25-d3; do
     F=$O/seeds-$NAME/rebased-vs-diloco-olr1.0.json; [ -f $F ] || continue   # (not composed for this target)
@@ -41,4 +46,5 @@ PY
 )
     $P scripts/ttq_rebase_compute.py "${ARGS[@]}" --raw-links $LINKS > /dev/null
   done
+done
 done
