@@ -9,7 +9,8 @@
    or PowerSGD communication, DistributedLion, and the methods that talk every H =
    ``--sync-every`` steps (LocalDistributedLion ``d-local-mavo[-st]``, ``d-local-avg[-st]``, DiLoCo ``diloco-*`` with
    ``--outer-lr``), evaluated at their agreed parameters (``opt.anchored()``; a streaming round
-   in flight is applied after the last step only). Each method's ``runs`` entry records the
+   in flight is applied after the last step only; an evaluation at bitwise the parameters of the
+   last one reuses its loss, :class:`CachedEvaluate`). Each method's ``runs`` entry records the
    bits rank 0 sent per parameter per step over the whole run (``bits_sent_per_param_per_step``:
    the library's byte counters, the DDP methods' all-reduces as e2e counts them).
 2. **Target**: L = G-Lion's validation loss at its last evaluation; each method's
@@ -86,13 +87,13 @@ class CachedEvaluate:
     host most of such a run's time). The comparison is exact, so the curve is unchanged."""
 
     def __init__(self, batches: list):
-        self.batches, self.seen, self.loss, self.computed = batches, None, None, 0
+        self.batches, self.seen, self.loss = batches, None, None
 
     @torch.no_grad()
     def __call__(self, model) -> float:
         now = [t.detach() for t in (*model.parameters(), *model.buffers())]
         if self.seen is None or not all(torch.equal(a, b) for a, b in zip(self.seen, now)):
-            self.loss, self.computed = evaluate(model, self.batches), self.computed + 1
+            self.loss = evaluate(model, self.batches)
             self.seen = [t.clone() for t in now]
         return self.loss
 
