@@ -11,6 +11,8 @@ others (each run has a compute-only step of its own: the machine's speed drifts 
 Prints and writes per seed and link the rebased time, the soonest other method and whether this one
 is first (``--links``: only those rates). ``--rebased-others`` adds
 competitors moved the same way (this script's own outputs, e.g. DiLoCo at H = 100 from its e2e run).
+``--inputs-from R.json`` takes every input recorded in an earlier output of this script; the options
+given replace them, except ``--rebased-others``, which adds to them (the same row beside a new rival).
 """
 
 import argparse
@@ -22,22 +24,33 @@ RAW_X16 = "3125kbit,6250kbit,62500kbit"  # the 16x host's: each rate / 16
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps-json", required=True, help="ttq_seeds.json of the method (--across output)")
-    ap.add_argument("--method", required=True, help="its key in that file")
-    ap.add_argument("--e2e-method", default="d-local-avg")
-    ap.add_argument("--own", required=True, help="e2e_results.json the method was composed with")
-    ap.add_argument("--ref", required=True, help="e2e_results.json the others were composed with")
-    ap.add_argument("--others", nargs="+", required=True, help="ttq_seeds.json files of the other methods")
+    ap.add_argument("--inputs-from", metavar="R", help="an output of this script whose inputs to start from")
+    ap.add_argument("--steps-json", help="ttq_seeds.json of the method (--across output)")
+    ap.add_argument("--method", help="its key in that file")
+    ap.add_argument("--e2e-method")
+    ap.add_argument("--own", help="e2e_results.json the method was composed with")
+    ap.add_argument("--ref", help="e2e_results.json the others were composed with")
+    ap.add_argument("--others", nargs="+", help="ttq_seeds.json files of the other methods")
     ap.add_argument("--rebased-others", nargs="+", default=[], metavar="R",
                     help="outputs of this script (other methods already moved onto --ref's compute step)")
-    ap.add_argument("--speedup", type=float, default=16.0)
-    ap.add_argument("--raw-links", default=RAW_X16,
+    ap.add_argument("--speedup", type=float)
+    ap.add_argument("--raw-links",
                     help="the e2e runs' link names for 50 Mbit/s, 100 Mbit/s and 1 Gbit/s, in that order (default "
                          f"{RAW_X16}, the 16x host's; the 4x host's: 12500kbit,25mbit,250mbit)")
-    ap.add_argument("--links", nargs="+", choices=list(RATES), default=list(RATES),
+    ap.add_argument("--links", nargs="+", choices=list(RATES),
                     help="only these rates (an --own run that timed only some); default all three")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
+    given = {k: v for k, v in vars(a).items() if v is not None and k != "inputs_from"}
+    start = json.load(open(a.inputs_from))["command_inputs"] if a.inputs_from else {}
+    start = {k: v for k, v in start.items() if v is not None}
+    merged = {"e2e_method": "d-local-avg", "speedup": 16.0, "raw_links": RAW_X16, "links": list(RATES),
+              **start, **given, "rebased_others": start.get("rebased_others", []) + a.rebased_others}
+    for k, v in merged.items():
+        setattr(a, k, v)
+    missing = [k for k in ("steps_json", "method", "own", "ref", "others") if getattr(a, k) is None]
+    if missing:
+        ap.error("needs " + ", ".join("--" + k.replace("_", "-") for k in missing) + " (or --inputs-from)")
     raw_links = a.raw_links.split(",")
     if len(raw_links) != len(RATES):
         ap.error(f"--raw-links needs {len(RATES)} names, got {a.raw_links!r}")
@@ -57,7 +70,8 @@ def main(argv=None) -> int:
             raise SystemExit(f"{path} was moved onto another compute step than --ref's")
         others[f"{path}:{doc['command_inputs']['method']}"] = {
             link: [r["time_s"] for r in v["seeds"]] for link, v in doc["links"].items()}
-    out = {"command_inputs": vars(a), "steps_to_target": steps, "links": {}}
+    out = {"command_inputs": {k: v for k, v in vars(a).items() if k != "inputs_from" or v is not None},
+           "steps_to_target": steps, "links": {}}
     for link in a.links:
         raw = links[link]
         step_ms = own[(a.e2e_method, raw)] - own[("compute", raw)] + ref[("compute", raw)]

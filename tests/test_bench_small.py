@@ -213,3 +213,39 @@ def test_ttq_rebase_compute_script_moves_a_method_onto_another_runs_compute_step
     doc = json.loads(out4.read_text())
     assert [doc["links"][r]["step_ms"] for r in ("50mbit", "100mbit", "1gbit")] == [25.0, 25.25, 25.5]
     assert doc["links"]["1gbit"]["seeds"][0]["time_s"] == 2.55  # 100 steps x 25.5 ms
+
+
+def test_ttq_rebase_compute_inputs_from_reuses_a_result_and_adds_a_rival(tmp_path):
+    """--inputs-from: every input of an earlier output, with --rebased-others added to its own."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    links = ("3125kbit", "6250kbit", "62500kbit")
+    docs = {"own": {"results": [{"method": m, "link": k, "ms_mean": ms} for k in links
+                                for m, ms in (("compute", 320.0), ("d-local-avg", 400.0))]},
+            "ref": {"results": [{"method": "compute", "link": k, "ms_mean": 160.0} for k in links]},
+            "mine": {"methods": {"m": {"steps_to_target": [100, 100]}}},
+            "other": {"methods": {"x": {"time_to_target_s": {k: [2.0, 2.0] for k in ("50mbit", "100mbit", "1gbit")}}}},
+            "rival": {"command_inputs": {"method": "dil"}, "links": {
+                k: {"ref_compute_ms": 10.0, "seeds": [{"time_s": 1.4}, {"time_s": 1.6}]}
+                for k in ("50mbit", "100mbit", "1gbit")}}}
+    p = {}
+    for name, doc in docs.items():
+        p[name] = tmp_path / f"{name}.json"
+        p[name].write_text(json.dumps(doc))
+    script = str(Path(__file__).resolve().parents[1] / "scripts" / "ttq_rebase_compute.py")
+    first, again = tmp_path / "first.json", tmp_path / "again.json"
+    subprocess.run([sys.executable, script, "--steps-json", str(p["mine"]), "--method", "m", "--own", str(p["own"]),
+                    "--ref", str(p["ref"]), "--others", str(p["other"]), "--out", str(first)],
+                   check=True, capture_output=True, timeout=60)
+    assert [r["first"] for r in json.loads(first.read_text())["links"]["50mbit"]["seeds"]] == [True, True]  # 1.5 s
+    subprocess.run([sys.executable, script, "--inputs-from", str(first), "--rebased-others", str(p["rival"]),
+                    "--out", str(again)], check=True, capture_output=True, timeout=60)
+    doc = json.loads(again.read_text())
+    assert doc["command_inputs"]["method"] == "m" and doc["command_inputs"]["rebased_others"] == [str(p["rival"])]
+    seeds = doc["links"]["50mbit"]["seeds"]
+    assert [r["time_s"] for r in seeds] == [1.5, 1.5] and [r["first"] for r in seeds] == [False, True]
+    bare = subprocess.run([sys.executable, script, "--out", str(again)], capture_output=True, text=True, timeout=60)
+    assert bare.returncode != 0 and "--steps-json" in bare.stderr

@@ -33,16 +33,8 @@ for HOST in x16 x4; do
     # others (into rebased-vs-diloco-olr1.0.json beside it)
     for NAME in avg-h32-reset avg-h32-reset-lr6e-4 avg-h25-reset avg-h50-reset avg-st-h25-f3-ra avg-st-h25-d11 avg-st-h25-d3; do
       F=$O/seeds-$NAME/rebased.json; [ -f $F ] || continue   # (not composed for this host or target)
-      mapfile -t ARGS < <($P - "$F" "$D" <<'PY'
-import json, sys
-c = json.load(open(sys.argv[1]))["command_inputs"]
-args = ["--steps-json", c["steps_json"], "--method", c["method"], "--e2e-method", c["e2e_method"], "--own", c["own"],
-        "--ref", c["ref"], "--speedup", str(c["speedup"]), "--others", *c["others"],
-        "--rebased-others", *c["rebased_others"], sys.argv[2], "--out", c["out"].replace("rebased.json", "rebased-vs-diloco-olr1.0.json")]
-print("\n".join(args + (["--links", *c["links"]] if c.get("links") else [])))
-PY
-)
-      $P scripts/ttq_rebase_compute.py "${ARGS[@]}" --raw-links $LINKS > /dev/null
+      $P scripts/ttq_rebase_compute.py --inputs-from $F --rebased-others $D --raw-links $LINKS \
+          --out $O/seeds-$NAME/rebased-vs-diloco-olr1.0.json > /dev/null
     done
   done
 done
