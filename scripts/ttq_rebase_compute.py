@@ -10,7 +10,8 @@ on top of compute, on the other run's compute. Used for a method timed in anothe
 others (each run has a compute-only step of its own: the machine's speed drifts between runs).
 Prints and writes per seed and link the rebased time, the soonest other method and whether this one
 is first (``--links``: only those rates). ``--rebased-others`` adds
-competitors moved the same way (this script's own outputs, e.g. DiLoCo at H = 100 from its e2e run).
+competitors moved the same way (this script's own outputs, e.g. DiLoCo at H = 100 from its e2e run;
+one that timed only some rates competes at those).
 ``--inputs-from R.json`` takes every input recorded in an earlier output of this script; the options
 given replace them, except ``--rebased-others``, which adds to them (the same row beside a new rival).
 """
@@ -66,7 +67,8 @@ def main(argv=None) -> int:
             others[f"{path}:{m}"] = r["time_to_target_s"]
     for path in a.rebased_others:
         doc = json.load(open(path))
-        if any(doc["links"][link]["ref_compute_ms"] != ref[("compute", links[link])] for link in a.links):
+        if any(doc["links"][link]["ref_compute_ms"] != ref[("compute", links[link])] for link in a.links
+               if link in doc["links"]):
             raise SystemExit(f"{path} was moved onto another compute step than --ref's")
         others[f"{path}:{doc['command_inputs']['method']}"] = {
             link: [r["time_s"] for r in v["seeds"]] for link, v in doc["links"].items()}
@@ -78,7 +80,8 @@ def main(argv=None) -> int:
         rows = []
         for i, n in enumerate(steps):
             mine = None if n is None else n * step_ms / 1000
-            t = [(v[link][i], k) for k, v in others.items() if i < len(v[link]) and v[link][i] is not None]
+            t = [(v[link][i], k) for k, v in others.items()
+                 if link in v and i < len(v[link]) and v[link][i] is not None]
             best = min(t) if t else None
             first = mine is not None and (best is None or mine < best[0])
             rows.append({"seed_index": i, "time_s": mine, "soonest_other_s": best and best[0],

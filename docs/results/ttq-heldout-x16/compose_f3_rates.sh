@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+set -e
+# The held-out rule's part 12 (docs/results/ttq-heldout/rule_part12.txt): part 7's streamed setting (H = 25,
+# 3 fragments, momenta reset where each vote is applied) timed at all three rates on both emulated hosts, its
+# evaluation seeds' curves composed with those runs and moved onto the others' compute-only step beside every
+# other row (peers and our own), targets 2.1 and 2.2, into seeds-avg-st-h25-f3-rates/rebased.json. Run from
+# anywhere, after
+#   dlion bench e2e --link 3125kbit,6250kbit,62500kbit --queue 800ms --ties random --methods compute,d-local-avg,d-local-avg-st \
+#       --sync-every 25 --outer-scale 0.83 --reset-momentum --fragments 3 --bucket-mb 1.5 --steps 100 --warmup 3 --fused \
+#       --no-progress --out docs/results/e2e-local-x16-avg-st-h25-f3-rates
+#   (the 4x host: --link 12500kbit,25mbit,250mbit --queue 200ms ... --out docs/results/e2e-local-x4-avg-st-h25-f3-rates)
+cd "$(dirname "$0")/../../.."
+P=${PYTHON:-python}
+RUNS=docs/results/ttq-heldout/dlocal-avg-st-h25-f3-a0.83-reset-applied-w0.1-lr3e-4-seed
+for HOST in ${HOSTS:-x16 x4}; do
+if [ $HOST = x16 ]; then S=16; REF=docs/results/e2e-local-x16/e2e_results.json; LINKS=3125kbit,6250kbit,62500kbit
+else S=4; REF=docs/results/e2e-faster-host-x4/e2e_results.json; LINKS=12500kbit,25mbit,250mbit; fi
+OWN=docs/results/e2e-local-$HOST-avg-st-h25-f3-rates/e2e_results.json
+for T in 2.1 2.2; do
+  O=docs/results/ttq-heldout-$HOST; [ $T = 2.2 ] && O=docs/results/ttq-heldout-$HOST-target2.2
+  if [ $HOST = x16 ]; then OTHERS="$O/seeds-w0.1/ttq_seeds.json $O/seeds-avg/ttq_seeds.json"; else OTHERS=$O/seeds-w0.1/ttq_seeds.json; fi
+  for K in 0 1 2 3 4; do
+    $P -m dlion bench ttq --curves $RUNS$K/ttq_results.json --step-times $OWN --target $T --compute-speedup $S \
+        --out $O/dlocal-avg-st-h25-f3-rates-seed$K > /dev/null
+  done
+  $P -m dlion bench ttq --across $O/dlocal-avg-st-h25-f3-rates-seed{0,1,2,3,4}/ttq_results.json \
+      --out $O/seeds-avg-st-h25-f3-rates > /dev/null
+  ROWS=""   # every row already moved onto the others' compute-only step, for this host and target
+  for NAME in diloco-bf16-h100 diloco-bf16-h100-olr1.0 diloco-bf16-h50 avg-h32-reset avg-h32-reset-lr6e-4 avg-h25-reset \
+              avg-h50-reset avg-st-h25-d11 avg-st-h25-d3 avg-st-h25-f3-ra; do
+    [ -f $O/seeds-$NAME/rebased.json ] && ROWS="$ROWS $O/seeds-$NAME/rebased.json"
+  done
+  $P scripts/ttq_rebase_compute.py --steps-json $O/seeds-avg-st-h25-f3-rates/ttq_seeds.json \
+      --method "d-local-avg-st|fragments=3|reset_momentum" --e2e-method d-local-avg-st --own $OWN --ref $REF --speedup $S \
+      --raw-links $LINKS --others $OTHERS --rebased-others $ROWS --out $O/seeds-avg-st-h25-f3-rates/rebased.json > /dev/null
+done
+done
