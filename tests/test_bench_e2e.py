@@ -426,7 +426,7 @@ def test_e2e_stream_delay_reaches_the_streamed_vote(tmp_path, capsys):
     assert rows["early"]["loss_last"] != rows["late"]["loss_last"]
     assert rows["early"]["bytes_sent_per_rank_per_step"] == rows["late"]["bytes_sent_per_rank_per_step"]
     _assert_refused(capsys, (["d-local-avg-st", "--stream-delay", "0"], "--stream-delay must be >= 1"),
-                    (["d-local-avg", "--stream-delay", "2"], "applies to the streamed local vote only"))
+                    (["d-local-avg", "--stream-delay", "2"], "applies to the streamed methods only"))
 
 
 def test_e2e_fragments_reach_the_streamed_vote(tmp_path, capsys):
@@ -442,8 +442,8 @@ def test_e2e_fragments_reach_the_streamed_vote(tmp_path, capsys):
         rows[name] = {r["method"]: r for r in doc["results"]}["d-local-avg-st"]
     assert rows["halves"]["loss_last"] != rows["whole"]["loss_last"]
     _assert_refused(capsys, (["d-local-avg-st", "--fragments", "0"], "--fragments must be >= 1"),
-                    (["d-local-avg", "--fragments", "2"], "applies to the streamed local vote only"),
-                    (["d-local-avg-st", "--sync-every", "3", "--fragments", "4"], "must be <= the streamed vote's H"))
+                    (["d-local-avg", "--fragments", "2"], "applies to the streamed methods only"),
+                    (["d-local-avg-st", "--sync-every", "3", "--fragments", "4"], "must be <= the streamed method's H"))
 
 
 def test_e2e_diloco_all_reduces_every_parameter_once_per_round(tmp_path):
@@ -502,3 +502,30 @@ def test_e2e_refuses_steps_that_are_not_whole_rounds(capsys):
     with pytest.raises(SystemExit):
         e2e.main(["--loopback", "--methods", "d-local-mavo", "--steps", "10", "--sync-every", "0"])
     assert "--sync-every must be >= 1" in capsys.readouterr().err
+
+
+def test_e2e_streaming_diloco_sends_the_same_bytes_in_fragments(tmp_path, capsys):
+    """diloco-adamw-bf16-st on 3 ranks, H = 4 in 2 fragments, each exchange started 1 step before its
+    round ends, α = 0.5: every 4 steps each fragment once, so the bytes of one bf16 ring all-reduce of the
+    model per 4 steps, 2(N−1)/N × 2 bytes per parameter ÷ 4, as DiLoCo in one piece; its settings recorded;
+    refused with α alone, with H not a multiple of P, or τ >= H/P."""
+    h, world = 4, 3
+    assert e2e.main(_tiny(tmp_path, world, ["compute", "diloco-adamw-bf16", "diloco-adamw-bf16-st"], "--steps", "8",
+                          "--warmup", "4", "--sync-every", str(h), "--fragments", "2", "--stream-delay", "1",
+                          "--fragment-alpha", "0.5")) == 0
+    doc = json.loads((tmp_path / "e2e_results.json").read_text())
+    assert doc["config"]["fragment_alpha"] == 0.5
+    rows = {r["method"]: r for r in doc["results"]}
+    n = rows["compute"]["params"]
+    for m in ("diloco-adamw-bf16", "diloco-adamw-bf16-st"):
+        assert rows[m]["bytes_sent_per_rank_per_step"] == pytest.approx(2 * (world - 1) / world * 2 * n / h, rel=0.02), m
+    st = rows["diloco-adamw-bf16-st"]
+    assert (st["fragments"], st["sync_delay"], st["update_alpha"]) == (2, 1, 0.5)
+    assert (rows["diloco-adamw-bf16"]["fragments"], rows["diloco-adamw-bf16"]["sync_delay"]) == (1, 0)
+    assert st["loss_last"] != rows["diloco-adamw-bf16"]["loss_last"]
+    assert e2e.label("diloco-adamw-bf16-st") == "Streaming DiLoCo AdamW bf16"
+    _assert_refused(capsys, (["diloco-adamw", "--fragment-alpha", "0.5"], "applies to Streaming DiLoCo only"),
+                    (["diloco-adamw-st", "--sync-every", "6", "--fragments", "4"], "must be a multiple of --fragments"),
+                    (["diloco-adamw-st", "--sync-every", "4", "--fragments", "2", "--stream-delay", "2"],
+                     "must be < H / P = 2"),
+                    (["diloco-adamw-st", "--fragment-alpha", "2"], "--fragment-alpha must be between 0 and 1"))

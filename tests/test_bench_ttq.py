@@ -301,7 +301,8 @@ def test_across_seeds_keeps_the_local_vote_with_reset_momenta_apart():
 
 def test_across_seeds_keeps_outer_scales_and_stream_delays_apart():
     """The local vote trained at two outer scales is a row per scale (one scale alone: no such key),
-    and streamed with --stream-delay a row per delay, with --fragments a row per P, each labelled so."""
+    and streamed with --stream-delay a row per delay, with --fragments a row per P (Streaming DiLoCo: with
+    --fragment-alpha a row per α), each labelled so."""
     from dlion.lab.bench import ttq_seeds
 
     def seeds_at(method, setting, values):  # seeds 0 and 1 at each value of one setting, st + seed steps to L
@@ -326,6 +327,15 @@ def test_across_seeds_keeps_outer_scales_and_stream_delays_apart():
     s = ttq_seeds.summarize(seeds_at("d-local-avg-st", "fragments", ((1, 800), (3, 820))))
     assert list(s["methods"]) == ["d-local-avg-st", "d-local-avg-st|fragments=3"]
     assert "Local D-Lion Avg 1bit streaming (in 3 fragments): steps to L 820 / 821" in ttq_seeds.table(s)
+    # Streaming DiLoCo: a row per mixing α too, labelled with where its exchange starts
+    docs = seeds_at("diloco-adamw-bf16-st", "fragment_alpha", ((0.0, 900), (0.5, 880)))
+    for d in docs:
+        d["config"].update(stream_delay=5, fragments=2)
+    s = ttq_seeds.summarize(docs)
+    assert list(s["methods"]) == ["diloco-adamw-bf16-st|stream_delay=5|fragments=2",
+                                  "diloco-adamw-bf16-st|stream_delay=5|fragments=2|fragment_alpha=0.5"]
+    assert ("Streaming DiLoCo AdamW bf16 (exchange started 5 steps before its round ends, in 2 fragments, alpha 0.5): "
+            "steps to L 880 / 881" in ttq_seeds.table(s))
 
 
 def test_across_seeds_keeps_each_h_apart_when_the_runs_were_trained_at_several():

@@ -216,3 +216,148 @@ def test_state_checks_its_arguments():
     st = ld.make_state(m.parameters(), sync_every=2)
     assert st.outer.defaults["lr"] == ld.OUTER_LR == 0.7
     assert st.outer.defaults["momentum"] == 0.9 and st.outer.defaults["nesterov"]
+
+
+# -- Streaming DiLoCo: fragments, the overlap τ, the mixing α -----------------------------------
+
+def _two_layers() -> nn.Module:
+    """Two 48-element weights: split_fragments(·, 2) cuts between them, as torchft's two module fragments."""
+    with _SEED_LOCK:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 8, bias=False), nn.Tanh(), nn.Linear(8, 6, bias=False))
+
+
+class _CommittingManager(_StubManager):
+    """The stub, with Manager.current_step() counting the commits (it picks the fragment in turn)."""
+
+    commits = 0
+
+    def current_step(self) -> int:
+        return self.commits
+
+    def should_commit(self, *args, **kwargs) -> bool:
+        self.commits += 1
+        return True
+
+
+@pytest.mark.parametrize("fragments,delay,alpha", [(2, 1, 0.0), (2, 1, 0.5), (2, 0, 0.0), (1, 3, 0.5), (1, 0, 0.0)])
+def test_streaming_matches_torchft_with_fragments_delay_and_mixing(fragments, delay, alpha):
+    """torchft's DiLoCo(model_fragments, fragment_sync_delay, fragment_update_alpha), one outer SGD per
+    fragment, and the lab's DiLoCo(fragments, sync_delay, update_alpha), on 3 simulated ranks for 3
+    rounds of H = 4: bitwise equal after every step."""
+    pytest.importorskip("torchft")
+    from torchft.local_sgd import DiLoCo as TorchftDiLoCo
+
+    n, h, steps = 3, 4, 12
+
+    def batches(rank):
+        g = torch.Generator().manual_seed(100 + rank)
+        return [torch.randn(4, 6, generator=g) for _ in range(steps)]
+
+    def torchft_rank(rank, rv, out):
+        m = _two_layers()
+        opt = _inner("adamw", m)
+        parts = [m[0], m[2]] if fragments == 2 else [m]
+        outer = [torch.optim.SGD(p.parameters(), lr=0.7, momentum=0.9, nesterov=True) for p in parts]
+        seen = []
+        with TorchftDiLoCo(_CommittingManager(rv, rank), parts, opt, outer, sync_every=h,
+                           fragment_sync_delay=delay, fragment_update_alpha=alpha):
+            for x in batches(rank):
+                _inner_step(m, opt, x)
+                seen.append([p.detach().clone() for p in m.parameters()])
+        out[rank] = seen
+
+    def lab_rank(rank, rv, out):
+        m = _two_layers()
+        calls = [0]
+
+        def reduce(flat):
+            rv.sum_(rank, calls[0], flat)
+            calls[0] += 1
+
+        lab = ld.DiLoCo(m.parameters(), _inner("adamw", m), sync_every=h, outer_lr=0.7, fragments=fragments,
+                        sync_delay=delay, update_alpha=alpha, reduce=reduce, world=n)
+        assert [len(f.params) for f in lab.fragments] == [1] * fragments if fragments == 2 else [2]
+        seen = []
+        for x in batches(rank):
+            _inner_step(m, lab, x)
+            seen.append([p.detach().clone() for p in m.parameters()])
+        assert calls[0] == steps // h * fragments  # each fragment once per H steps
+        out[rank] = seen
+
+    ref, got = _threads(torchft_rank, n), _threads(lab_rank, n)
+    initial = list(_two_layers().parameters())
+    for r in range(n):
+        for step, (a_step, b_step) in enumerate(zip(ref[r], got[r])):
+            for a, b in zip(a_step, b_step):
+                assert torch.equal(a, b), (r, step)
+        assert not any(torch.equal(a, p0) for a, p0 in zip(got[r][-1], initial))  # (it moved)
+
+
+def _streaming_literal_worker(rank, world, wire, delay, alpha):
+    """The lab's Streaming DiLoCo on real Gloo ranks (2 fragments, H = 4: one fragment's round ends every
+    2 steps, its exchange started τ steps before), and the algorithm written out here: the parameters
+    after every step, both ways; θ after the run; the bytes the lab counted."""
+    h, p_frag, steps = 4, 2, 12
+    m_lab, m_ref = _two_layers(), _two_layers()
+    lab = ld.DiLoCo(m_lab.parameters(), _inner("lion", m_lab), sync_every=h, outer_lr=0.7, wire_dtype=wire,
+                    fragments=p_frag, sync_delay=delay, update_alpha=alpha)
+    opt_ref = _inner("lion", m_ref)
+    params = list(m_ref.parameters())  # fragment f = parameter f here
+    theta = [p.detach().clone() for p in params]
+    bufs = [None, None]
+    sent = {}  # fragment -> the summed Δ in flight
+    g = torch.Generator().manual_seed(100 + rank)
+    out = []
+    for step in range(1, steps + 1):
+        x = torch.randn(4, 6, generator=g)
+        _inner_step(m_lab, lab, x)
+        _inner_step(m_ref, opt_ref, x)
+        within, f = (step - 1) % (h // p_frag) + 1, ((step - 1) // (h // p_frag)) % p_frag
+        with torch.no_grad():
+            if within == h // p_frag - delay:  # start fragment f's exchange
+                d = (theta[f] - params[f]).reshape(-1).to(wire)
+                dist.all_reduce(d)
+                sent[f] = d
+            if within == h // p_frag:  # end fragment f's round
+                avg = sent.pop(f).to(torch.float32) / world
+                bufs[f] = avg.clone() if bufs[f] is None else bufs[f].mul_(0.9).add_(avg)
+                new = theta[f].reshape(-1).add(avg.add(bufs[f], alpha=0.9), alpha=-0.7)  # Nesterov, as above
+                local = params[f].detach().clone()
+                theta[f].copy_(new.view_as(theta[f]))
+                params[f].copy_(theta[f].lerp(local, alpha))  # (1 − α)·θ + α·x: torchft's lerp_
+        out.append(([q.detach().clone() for q in m_lab.parameters()], [q.detach().clone() for q in params]))
+    lab.check_replicas()
+    with lab.anchored():
+        anchored = [q.detach().clone() for q in m_lab.parameters()]
+    return out, anchored, theta, lab.comm_stats.bytes_sent, sum(q.numel() for q in params)
+
+
+@pytest.mark.parametrize("wire,delay,alpha", [(torch.float32, 1, 0.0), (torch.bfloat16, 1, 0.5), (torch.float32, 0, 0.0)])
+def test_streaming_matches_a_literal_reference_on_three_ranks(wire, delay, alpha):
+    world = 3
+    results = spawn(_streaming_literal_worker, world, wire, delay, alpha)
+    for rank, (out, anchored, theta, sent, n) in enumerate(results):
+        for step, (lab, ref) in enumerate(out):
+            for a, b in zip(lab, ref):
+                assert torch.equal(a, b), (rank, step)
+        for a, t, t0 in zip(anchored, theta, results[0][2]):
+            assert torch.equal(a, t) and torch.equal(t, t0)  # θ, bitwise the same on every rank
+        # 12 steps of H = 4: each fragment 3 times, so 3 ring all-reduces of the whole model, 2(N−1)/N
+        # × 4 bytes (fp32) or 2 (bf16) per parameter each
+        assert sent == pytest.approx(3 * 2 * (world - 1) / world * n * (4 if wire == torch.float32 else 2), abs=4)
+    if alpha:  # the mixing kept part of each rank's own progress: the ranks' x differ, θ does not
+        assert not all(torch.equal(a, b) for a, b in zip(results[0][0][-1][0], results[1][0][-1][0]))
+
+
+def test_streaming_checks_its_arguments():
+    m = _two_layers()
+    inner = _inner("adamw", m)
+    for kwargs, msg in (({"fragments": 0}, "fragments must be"), ({"fragments": 3, "sync_every": 3}, "fragments must be an int from 1"),
+                        ({"sync_every": 5, "fragments": 2}, "multiple of fragments"),
+                        ({"sync_delay": 2, "fragments": 2}, "sync_delay"), ({"sync_delay": -1}, "sync_delay"),
+                        ({"update_alpha": 1.5}, "update_alpha")):
+        with pytest.raises(ValueError, match=msg):
+            ld.DiLoCo(m.parameters(), inner, **{"sync_every": 4, **kwargs})
+    assert [len(f) for f in ld.split_fragments([torch.zeros(10), torch.zeros(1), torch.zeros(1), torch.zeros(10)], 2)] == [2, 2]
+    assert [len(f) for f in ld.split_fragments([torch.zeros(10), torch.zeros(1), torch.zeros(1)], 3)] == [1, 1, 1]

@@ -1,7 +1,8 @@
 """DiLoCo (Douillard et al., arXiv 2311.08105), written out as torchft's ``torchft.local_sgd.DiLoCo``
 runs it (one fragment, ``fragment_sync_delay=0``, ``fragment_update_alpha=0``): the ``diloco-*``
 methods of ``dlion bench e2e`` and ``dlion bench ttq``. A state object and pure functions, and
-:class:`DiLoCo`, the optimizer-shaped wrapper the benchmarks step.
+:class:`DiLoCo`, the optimizer-shaped wrapper the benchmarks step, which also runs Streaming DiLoCo
+(fragments, the exchange overlapped with τ inner steps, α-mixing: ``diloco-*-st``; its docstring).
 
 Per round, on every rank (θ: the global parameters, identical on every rank; x_i: rank i's own copy)::
 
@@ -39,7 +40,7 @@ from torch import Tensor
 from dlion.collectives import CommStats, bytes_moved
 
 __all__ = ["DiLoCoState", "make_state", "pseudo_gradients", "average", "outer_step", "sync", "after_inner_step",
-           "DiLoCo", "OUTER_LR", "OUTER_MOMENTUM"]
+           "Exchange", "start_average", "finish_average", "split_fragments", "DiLoCo", "OUTER_LR", "OUTER_MOMENTUM"]
 
 OUTER_LR = 0.7        # DiLoCo's published outer learning rate (Nesterov momentum 0.9)
 OUTER_MOMENTUM = 0.9
@@ -128,18 +129,103 @@ def after_inner_step(state: DiLoCoState, reduce: Optional[Callable[[Tensor], Non
     return True
 
 
+@dataclass
+class Exchange:
+    """An average in flight (Streaming DiLoCo): the fragment's Δ_i, the flat ``wire_dtype`` buffer its
+    SUM all-reduce works on in place, and the work to wait for (None: a reduction already done)."""
+    deltas: list[Tensor]
+    flat: Tensor
+    work: object = None
+
+
+def start_average(state: DiLoCoState, deltas: list[Tensor],
+                  reduce: Optional[Callable[[Tensor], object]] = None) -> Exchange:
+    """Start Σ_i Δ_i: the Δ_i flattened into one ``wire_dtype`` buffer and reduced in place by
+    ``reduce`` (returns a work to wait for, or None); default an asynchronous SUM all-reduce on
+    ``state.group``, counted in ``state.stats``."""
+    flat = torch.cat([d.reshape(-1) for d in deltas]).to(state.wire_dtype)
+    if reduce is None:
+        work = dist.all_reduce(flat, group=state.group, async_op=True)
+        moved = bytes_moved("all_reduce", flat.numel() * flat.element_size(), dist.get_world_size(state.group))
+        state.stats.add("all_reduce", moved, moved)
+    else:
+        work = reduce(flat)
+    return Exchange(deltas, flat, work)
+
+
+def finish_average(ex: Exchange, world: int) -> list[Tensor]:
+    """Wait for the exchange; (Σ_i Δ_i) / N per parameter, as :func:`average`."""
+    if ex.work is not None:
+        ex.work.wait()
+    flat = ex.flat.to(ex.deltas[0].dtype)
+    flat /= world
+    return [v.view_as(d) for v, d in zip(flat.split([d.numel() for d in ex.deltas]), ex.deltas)]
+
+
+def split_fragments(params: list[Tensor], fragments: int) -> list[list[Tensor]]:
+    """The parameters in ``fragments`` contiguous runs of about equal size (a parameter is never split):
+    fragment f ends at the first parameter whose running count of elements reaches (f + 1)/P of the total."""
+    if not isinstance(fragments, int) or isinstance(fragments, bool) or not 1 <= fragments <= len(params):
+        raise ValueError(f"fragments must be an int from 1 to the number of parameters ({len(params)}), got {fragments!r}")
+    total, out, run, seen = sum(p.numel() for p in params), [], [], 0
+    for i, p in enumerate(params):
+        run.append(p)
+        seen += p.numel()
+        left_params, left_frags = len(params) - i - 1, fragments - len(out) - 1
+        if left_frags and (seen * fragments >= total * (len(out) + 1) or left_params == left_frags):
+            out.append(run)
+            run = []
+    out.append(run)
+    return out
+
+
 class DiLoCo:
     """An inner optimizer plus DiLoCo's outer round every ``sync_every`` steps, shaped like a
     ``torch.optim`` optimizer for the benchmarks' loops: ``zero_grad``, ``step``, ``param_groups``
     (the inner optimizer's: an lr schedule schedules the inner lr; the outer lr is constant, as in
     DiLoCo), ``state`` (inner state, outer momentum and θ, for the state-size figures),
-    ``comm_stats``, ``check_replicas`` and ``anchored`` (θ)."""
+    ``comm_stats``, ``check_replicas`` and ``anchored`` (θ).
+
+    **Streaming DiLoCo** (Douillard et al., arXiv 2501.18512) as torchft's ``DiLoCo`` runs it with
+    ``model_fragments`` (one outer Nesterov SGD per fragment), ``fragment_sync_delay=sync_delay`` and
+    ``fragment_update_alpha=update_alpha``: the parameters in ``fragments`` = P contiguous runs
+    (:func:`split_fragments`); every H/P steps one fragment, in turn, ends its round. τ = ``sync_delay``
+    steps before that end, its Δ_i = θ_f − x_f is taken and its all-reduce started; the inner steps go on
+    while it travels; at the end: x_f ← θ_f, the outer step with the average, θ_f ← x_f, and then
+    x_f ← (1 − α)·θ_f + α·(x_f as it was just before), so α = 0 drops the τ steps of local progress
+    the exchange overlapped. Each fragment still syncs every H steps; the bytes per H steps are one
+    all-reduce of the whole model, as without fragments. P = 1, τ = 0: DiLoCo above, bitwise."""
 
     def __init__(self, params: Iterable[Tensor], inner: torch.optim.Optimizer, *, sync_every: int,
-                 outer_lr: float = OUTER_LR, wire_dtype: torch.dtype = torch.float32, group=None):
+                 outer_lr: float = OUTER_LR, wire_dtype: torch.dtype = torch.float32, group=None,
+                 fragments: int = 1, sync_delay: int = 0, update_alpha: float = 0.0,
+                 reduce: Optional[Callable[[Tensor], object]] = None, world: Optional[int] = None):
+        params = list(params)
+        if not isinstance(fragments, int) or isinstance(fragments, bool) or fragments < 1:
+            raise ValueError(f"fragments must be an int >= 1, got {fragments!r}")
+        if isinstance(sync_every, int) and not isinstance(sync_every, bool) and sync_every % fragments:
+            raise ValueError(f"sync_every ({sync_every}) must be a multiple of fragments ({fragments}), as in torchft")
+        if not isinstance(sync_delay, int) or isinstance(sync_delay, bool) or sync_delay < 0:
+            raise ValueError(f"sync_delay must be an int >= 0, got {sync_delay!r}")
+        if isinstance(sync_every, int) and sync_delay >= max(sync_every // fragments, 1):
+            raise ValueError(f"sync_delay ({sync_delay}) must be < sync_every / fragments "
+                             f"({sync_every} / {fragments}): a fragment is synced before its next exchange starts")
+        if not 0.0 <= update_alpha <= 1.0:
+            raise ValueError(f"update_alpha must be between 0 and 1, got {update_alpha!r}")
         self.inner = inner
-        self.diloco = make_state(params, sync_every=sync_every, outer_lr=outer_lr, wire_dtype=wire_dtype, group=group)
-        self.comm_stats = self.diloco.stats
+        self.fragments = [make_state(run, sync_every=sync_every, outer_lr=outer_lr, wire_dtype=wire_dtype, group=group)
+                          for run in split_fragments(params, fragments)]
+        self.comm_stats = self.fragments[0].stats
+        for s in self.fragments:
+            s.stats = self.comm_stats  # (one count for the model)
+        self.sync_every, self.sync_delay, self.update_alpha = sync_every, sync_delay, update_alpha
+        self._reduce, self._world = reduce, world
+        self._local_step, self._syncs, self._steps = 0, 0, 0  # steps since the last sync; syncs (all fragments); steps
+        self._flight: Optional[Exchange] = None
+
+    @property
+    def outer_lr(self) -> float:
+        return self.fragments[0].outer.param_groups[0]["lr"]
 
     @property
     def param_groups(self) -> list:
@@ -147,10 +233,13 @@ class DiLoCo:
 
     @property
     def state(self) -> dict:
-        s = self.diloco
         out = {("inner", i): st for i, st in enumerate(self.inner.state.values())}
-        out.update({("outer", i): st for i, st in enumerate(s.outer.state.values())})
-        out["original"] = {f"p{i}": o for i, o in enumerate(s.original)}
+        k = 0
+        for s in self.fragments:
+            for st in s.outer.state.values():
+                out[("outer", k)] = st
+                k += 1
+        out["original"] = {f"p{i}": o for i, o in enumerate(o for s in self.fragments for o in s.original)}
         return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -158,25 +247,49 @@ class DiLoCo:
 
     def step(self, closure=None):
         loss = self.inner.step(closure)
-        after_inner_step(self.diloco)
+        self._after_inner_step()
         return loss
 
+    def _after_inner_step(self) -> None:
+        """torchft's schedule: fragment (syncs mod P) starts its exchange τ steps before the end of
+        every H/P steps and ends its round at that end."""
+        per = self.sync_every // len(self.fragments)
+        self._local_step += 1
+        s = self.fragments[self._syncs % len(self.fragments)]
+        self._steps += 1
+        if self._local_step == per - self.sync_delay:
+            self._flight = start_average(s, pseudo_gradients(s), self._reduce)
+        if self._local_step < per:
+            return
+        flight, self._flight = self._flight, None
+        avg = finish_average(flight, self._world or dist.get_world_size(s.group))
+        local = [p.detach().clone() for p in s.params] if self.update_alpha else None
+        outer_step(s, avg)
+        if local is not None:
+            with torch.no_grad():
+                for p, x in zip(s.params, local):
+                    p.lerp_(x, self.update_alpha)
+        self._local_step = 0
+        self._syncs += 1
+
     def flush(self) -> None:
-        """Nothing is in flight between steps (the all-reduce is synchronous)."""
+        """Wait for an exchange in flight (streaming; it is applied at its step as always)."""
+        if self._flight is not None and self._flight.work is not None:
+            self._flight.work.wait()
 
     @contextlib.contextmanager
     def anchored(self):
         """Within the block the parameters hold θ (identical on every rank)."""
-        s = self.diloco
-        saved = [p.detach().clone() for p in s.params]
+        pairs = [(p, o) for s in self.fragments for p, o in zip(s.params, s.original)]
+        saved = [p.detach().clone() for p, _ in pairs]
         try:
             with torch.no_grad():
-                for p, o in zip(s.params, s.original):
+                for p, o in pairs:
                     p.copy_(o)
             yield
         finally:
             with torch.no_grad():
-                for p, x in zip(s.params, saved):
+                for (p, _), x in zip(pairs, saved):
                     p.copy_(x)
 
     @torch.no_grad()
@@ -184,11 +297,12 @@ class DiLoCo:
         """Raise :class:`dlion.DesyncError` unless θ is bitwise identical on every rank."""
         from dlion.replicas import checksum_table, raise_if_diverged
 
-        s = self.diloco
+        s = self.fragments[0]
         world = dist.get_world_size(s.group)
         if world == 1:
             return
-        row = checksum_table(s.original)
+        theta = [o for f in self.fragments for o in f.original]
+        row = checksum_table(theta)
         rows = [torch.empty_like(row) for _ in range(world)]
         dist.all_gather(rows, row, group=s.group)
-        raise_if_diverged(torch.stack(rows), s.original, world, "DiLoCo", s.inner_steps)
+        raise_if_diverged(torch.stack(rows), theta, world, "DiLoCo", self._steps)

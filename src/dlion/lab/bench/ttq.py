@@ -426,8 +426,9 @@ def _step_times(path: str, cfg: dict, workers: int, phase: str = "rounds") -> tu
     if vote and cfg.get("abstain_below", 0.0) != other.get("abstain_below", 0.0):
         raise SystemExit(f"dlion bench ttq: these curves were trained with --abstain-below {cfg.get('abstain_below', 0.0)}, "
                          f"{path} measured d-local-* with {other.get('abstain_below', 0.0)}: abstentions change the bytes")
-    streamed = any(split_sync_every(m)[0].endswith("-st") for m in vote) and phase == "rounds"
-    for flag, key, default in (("--stream-delay", "stream_delay", None), ("--fragments", "fragments", 1)):
+    streamed = any(split_sync_every(m)[0].endswith("-st") for m in local) and phase == "rounds"
+    for flag, key, default in (("--stream-delay", "stream_delay", None), ("--fragments", "fragments", 1),
+                               ("--fragment-alpha", "fragment_alpha", 0.0)):
         if streamed and cfg.get(key, default) != other.get(key, default):  # (each decides what hides behind compute)
             raise SystemExit(f"dlion bench ttq: these curves were trained with {flag} {cfg.get(key, default)}, "
                              f"{path} timed the streamed vote with {other.get(key, default)}: it decides how much "
@@ -538,7 +539,7 @@ def main(argv: list[str]) -> int:
            "sequential": True, "warmup": 0, "per_node": args.per_node, "sync_every": args.sync_every,
            "sync_warmup": args.sync_warmup, "abstain_below": args.abstain_below, "outer_scale": args.outer_scale,
            "reset_momentum": args.reset_momentum, "stream_delay": args.stream_delay, "fragments": args.fragments,
-           "outer_lr": args.outer_lr,
+           "fragment_alpha": args.fragment_alpha, "outer_lr": args.outer_lr,
            "nodes": args.workers // args.per_node if args.per_node else 0}
     if args.curves and args.extend:
         ap.error("--extend trains and merges; --curves only re-composes: give one of them")

@@ -12,7 +12,7 @@ it): a seed can then come in several files, and every (method, lr) is a row of i
 vote trained with ``--abstain-below`` τ is a row of its own (``…|abstain_below=0.5``), and so is
 it with ``--reset-momentum`` (``…|reset_momentum``), at each ``--outer-scale`` where the runs differ
 in it (``…|outer_scale=0.83``), and streamed with ``--stream-delay`` (``…|stream_delay=10``) or
-``--fragments`` (``…|fragments=4``). Methods
+``--fragments`` (``…|fragments=4``), Streaming DiLoCo also with ``--fragment-alpha`` (``…|fragment_alpha=0.5``). Methods
 that talk every H steps trained at several H (each composed with one e2e run that timed them all,
 ``--methods d-local-avg-h25,…``) are a row per H (``d-local-avg-h25``). A (method, settings) given twice for one seed is refused.
 
@@ -104,6 +104,8 @@ def summarize(docs: list[dict]) -> dict:
                 key += f"|stream_delay={d['config']['stream_delay']}"
             if split_sync_every(m)[0].endswith("-st") and d["config"].get("fragments", 1) != 1:
                 key += f"|fragments={d['config']['fragments']}"
+            if split_sync_every(m)[0].endswith("-st") and d["config"].get("fragment_alpha", 0.0):
+                key += f"|fragment_alpha={d['config']['fragment_alpha']:g}"
             if m.startswith("d-local") and d["config"].get("reset_momentum"):
                 key += "|reset_momentum"
             if i in rows_of.setdefault(key, {}):
@@ -143,6 +145,7 @@ def label(key: str) -> str:
     from .e2e.methods import label as method_label
 
     key, reset, _ = key.partition("|reset_momentum")
+    key, _, mix = key.partition("|fragment_alpha=")
     key, _, fragments = key.partition("|fragments=")
     key, _, delay = key.partition("|stream_delay=")
     key, _, alpha = key.partition("|outer_scale=")
@@ -151,8 +154,10 @@ def label(key: str) -> str:
     lr, _, warmup = lr.partition(",warmup=")
     settings = ([f"lr {lr}"] if lr else []) + ([f"warm-up {warmup}"] if warmup else []) + (
         [f"abstain_below {tau}"] if tau else []) + ([f"outer_scale {alpha}"] if alpha else []) + (
-        [f"applied {delay} steps into the next round"] if delay else []) + (
-        [f"in {fragments} fragments"] if fragments else []) + (["momenta reset at each sync"] if reset else [])
+        [f"exchange started {delay} steps before its round ends" if m.startswith("diloco") else
+         f"applied {delay} steps into the next round"] if delay else []) + (
+        [f"in {fragments} fragments"] if fragments else []) + ([f"alpha {mix}"] if mix else []) + (
+        ["momenta reset at each sync"] if reset else [])
     return method_label(m) + (f" ({', '.join(settings)})" if settings else "")
 
 

@@ -214,7 +214,8 @@ def main(argv: list[str]) -> int:
            "nodes": args.nodes, "per_node": args.per_node, "fused": args.fused, "compute_nice": args.compute_nice,
            "queue": args.queue, "sync_every": args.sync_every, "outer_lr": args.outer_lr,
            "abstain_below": args.abstain_below, "outer_scale": args.outer_scale,
-           "reset_momentum": args.reset_momentum, "stream_delay": args.stream_delay, "fragments": args.fragments}
+           "reset_momentum": args.reset_momentum, "stream_delay": args.stream_delay, "fragments": args.fragments,
+           "fragment_alpha": args.fragment_alpha}
     if args.loopback:
         links = [("loopback", None)]
     else:

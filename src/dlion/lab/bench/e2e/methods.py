@@ -27,9 +27,11 @@ DLION = tuple(f"d-{vote}-{comm}{ov}" for vote in ("mavo", "avg") for comm in ("a
 # -dl: delay=1 (Δ applied a step later, its exchange overlapping the next forward and backward)
 HIER = ("h-mavo-1bit", "h-mavo-allgather", "h-avg-1bit")  # HierarchicalDistributedLion (needs --nodes)
 # Methods that talk every H = --sync-every steps: LocalDistributedLion (MaVo or Avg, 1bit; -st: streaming=True) and
-# DiLoCo (dlion.lab.diloco: AdamW or Lion inner steps, the pseudo-gradients averaged in fp32 or bf16)
+# DiLoCo (dlion.lab.diloco: AdamW or Lion inner steps, the pseudo-gradients averaged in fp32 or bf16; -st: Streaming
+# DiLoCo, torchft's fragments, fragment_sync_delay and fragment_update_alpha)
 LOCAL = ("d-local-mavo", "d-local-mavo-st", "d-local-avg", "d-local-avg-st")
-DILOCO = ("diloco-adamw", "diloco-lion", "diloco-adamw-bf16", "diloco-lion-bf16")
+DILOCO_ONE_PIECE = ("diloco-adamw", "diloco-lion", "diloco-adamw-bf16", "diloco-lion-bf16")
+DILOCO = DILOCO_ONE_PIECE + tuple(m + "-st" for m in DILOCO_ONE_PIECE)
 SYNC_EVERY = LOCAL + DILOCO
 METHODS = BASELINES + DLION + HIER + SYNC_EVERY
 _MOMENTUM_SYNC = re.compile(r"^(d-.+)-ms(\d+|d)$")  # a D-Lion method + "-ms<K>": momenta averaged every K steps
@@ -92,7 +94,7 @@ GROUPS = {
     "mavo": tuple(m for m in DLION if m.startswith("d-mavo")),
     "avg": tuple(m for m in DLION if m.startswith("d-avg")),
     "overlap": tuple(m for m in DLION if "-ov" in m),
-    "local": ("compute", "d-mavo-1bit-ov-rt", "g-adamw-powersgd4-ov") + LOCAL + DILOCO,
+    "local": ("compute", "d-mavo-1bit-ov-rt", "g-adamw-powersgd4-ov") + LOCAL + DILOCO_ONE_PIECE,
 }
 LABELS = {"compute": "compute only (no comm)", "sync-only": "sync only (1 value per bucket)",
           "g-adamw": "G-AdamW (DDP fp32)", "g-lion": "G-Lion (DDP fp32)", "g-lion-bf16": "G-Lion (DDP bf16 hook)",
@@ -105,7 +107,8 @@ LABELS = {"compute": "compute only (no comm)", "sync-only": "sync only (1 value 
           "d-local-mavo-st": "Local D-Lion MaVo 1bit streaming",
           "d-local-avg": "Local D-Lion Avg 1bit",
           "d-local-avg-st": "Local D-Lion Avg 1bit streaming",
-          **{m: f"DiLoCo {'AdamW' if 'adamw' in m else 'Lion'} {'bf16' if 'bf16' in m else 'fp32'}" for m in DILOCO}}
+          **{m: f"{'Streaming ' if m.endswith('-st') else ''}DiLoCo {'AdamW' if 'adamw' in m else 'Lion'} "
+                f"{'bf16' if 'bf16' in m else 'fp32'}" for m in DILOCO}}
 POWERSGD_START_ITER = 2  # PowerSGD needs >= 2 uncompressed iterations (DDP rebuilds buckets after the first)
 POWERSGD_BUCKET_MB = 1 << 16  # one bucket for PowerSGD (see MethodRun)
 FIRST_BUCKET_MB = 2.0  # -fb methods: on CharGPT the one block-5 MLP matrix, like DDP's 1 MiB first bucket (which closes
@@ -114,8 +117,8 @@ PROFILE_RANGES = ("dlion.contribute", "dlion.exchange", "dlion.apply")
 
 
 def add_local_vote_args(ap) -> None:
-    """``--abstain-below TAU``, ``--outer-scale A``, ``--reset-momentum``, ``--stream-delay`` and ``--fragments``
-    for e2e and ttq alike (checked by :func:`methods_from_args`)."""
+    """``--abstain-below TAU``, ``--outer-scale A``, ``--reset-momentum``, ``--stream-delay``, ``--fragments`` and
+    ``--fragment-alpha`` for e2e and ttq alike (checked by :func:`methods_from_args`)."""
     ap.add_argument("--abstain-below", type=float, default=0.0, metavar="TAU",
                     help="d-local-*: a rank abstains where its round's progress is below TAU times the round's summed "
                          "lr (LocalDistributedLion(abstain_below=TAU)); default 0")
@@ -127,16 +130,21 @@ def add_local_vote_args(ap) -> None:
                          "(LocalDistributedLion(reset_momentum=True))")
     ap.add_argument("--stream-delay", type=int, default=None, metavar="STEPS",
                     help="d-local-*-st: apply the round in flight STEPS steps into the next round instead of at its "
-                         "end (LocalDistributedLion(stream_delay=STEPS)); default: at its end")
+                         "end (LocalDistributedLion(stream_delay=STEPS)); default: at its end. diloco-*-st: start "
+                         "each fragment's exchange STEPS steps before its round ends (torchft's fragment_sync_delay, "
+                         "< H/P); default H/P - 1")
     ap.add_argument("--fragments", type=int, default=1, metavar="P",
-                    help="d-local-*-st: the model in P fragments with staggered rounds, an exchange of 1/P of the "
-                         "bytes every H/P steps (LocalDistributedLion(fragments=P)); needs P buckets (--bucket-mb); "
-                         "default 1")
+                    help="d-local-*-st and diloco-*-st: the model in P fragments with staggered rounds, an exchange "
+                         "of 1/P of the bytes every H/P steps (LocalDistributedLion(fragments=P); needs P buckets, "
+                         "--bucket-mb; DiLoCo: H a multiple of P); default 1")
+    ap.add_argument("--fragment-alpha", type=float, default=0.0, metavar="ALPHA",
+                    help="diloco-*-st: after a fragment's sync, its parameters (1 - ALPHA) x the new global ones + "
+                         "ALPHA x the local ones (torchft's fragment_update_alpha); default 0")
 
 
 def methods_from_args(ap, args) -> list[str]:
     """``--methods`` parsed, ``--sync-every``, ``--abstain-below``, ``--outer-scale``, ``--reset-momentum``,
-    ``--stream-delay`` and ``--fragments`` checked, or the parser's error (for e2e and ttq)."""
+    ``--stream-delay``, ``--fragments`` and ``--fragment-alpha`` checked, or the parser's error (for e2e and ttq)."""
     try:
         methods = parse_methods(args.methods)
     except ValueError as e:
@@ -152,21 +160,32 @@ def methods_from_args(ap, args) -> list[str]:
         ap.error("--outer-scale applies to the local vote only: add a d-local-* method to --methods")
     if args.reset_momentum and not local:
         ap.error("--reset-momentum applies to the local vote only: add a d-local-* method to --methods")
+    streamed = [m for m in methods if split_sync_every(m)[0] in SYNC_EVERY and split_sync_every(m)[0].endswith("-st")]
+    diloco_st = [m for m in streamed if m.startswith("diloco-")]
     if args.stream_delay is not None:
-        if args.stream_delay < 1:
+        if args.stream_delay < (0 if diloco_st and len(diloco_st) == len(streamed) else 1):
             ap.error(f"--stream-delay must be >= 1, got {args.stream_delay}")
-        if not any(split_sync_every(m)[0].endswith("-st") for m in local):
-            ap.error("--stream-delay applies to the streamed local vote only: add d-local-mavo-st or d-local-avg-st "
-                     "to --methods")
+        if not streamed:
+            ap.error("--stream-delay applies to the streamed methods only: add d-local-mavo-st, d-local-avg-st or "
+                     "diloco-*-st to --methods")
     if args.fragments != 1:
         if args.fragments < 1:
             ap.error(f"--fragments must be >= 1, got {args.fragments}")
-        streamed = [m for m in local if split_sync_every(m)[0].endswith("-st")]
         if not streamed:
-            ap.error("--fragments applies to the streamed local vote only: add d-local-mavo-st or d-local-avg-st "
-                     "to --methods")
+            ap.error("--fragments applies to the streamed methods only: add d-local-mavo-st, d-local-avg-st or "
+                     "diloco-*-st to --methods")
         if args.fragments > min(sync_every_of(m, args.sync_every) for m in streamed):
-            ap.error(f"--fragments {args.fragments} must be <= the streamed vote's H")
+            ap.error(f"--fragments {args.fragments} must be <= the streamed method's H")
+    for m in diloco_st:
+        h = sync_every_of(m, args.sync_every)
+        if h % args.fragments:
+            ap.error(f"{m}: H = {h} must be a multiple of --fragments {args.fragments} (torchft's rule)")
+        if args.stream_delay is not None and args.stream_delay >= h // args.fragments:
+            ap.error(f"{m}: --stream-delay {args.stream_delay} must be < H / P = {h // args.fragments}")
+    if not 0.0 <= args.fragment_alpha <= 1.0:
+        ap.error(f"--fragment-alpha must be between 0 and 1, got {args.fragment_alpha}")
+    if args.fragment_alpha and not diloco_st:
+        ap.error("--fragment-alpha applies to Streaming DiLoCo only: add a diloco-*-st method to --methods")
     if args.abstain_below and not local:
         ap.error("--abstain-below applies to the local vote only: add d-local-mavo, d-local-mavo-st, d-local-avg or d-local-avg-st "
                  "to --methods")
@@ -346,7 +365,9 @@ def _local_class():
 
 def _diloco(method: str, model, cfg: dict, lr: float, betas: tuple, wd: float, fused: bool):
     """DiLoCo (:mod:`dlion.lab.diloco`): AdamW inner steps at 10 × the Lion lr and wd / 10 (as G-AdamW),
-    or Lion; the pseudo-gradients averaged in fp32, or bf16 (-bf16); the outer Nesterov SGD at --outer-lr."""
+    or Lion; the pseudo-gradients averaged in fp32, or bf16 (-bf16); the outer Nesterov SGD at --outer-lr;
+    -st: Streaming DiLoCo in --fragments P, each exchange started --stream-delay τ steps before its round
+    ends (default H/P − 1, the most torchft allows), mixed back with --fragment-alpha."""
     import dlion
     from dlion.lab.diloco import OUTER_LR, DiLoCo
 
@@ -355,9 +376,13 @@ def _diloco(method: str, model, cfg: dict, lr: float, betas: tuple, wd: float, f
                                   **({"fused": True} if fused else {}))
     else:
         inner = dlion.Lion(model.parameters(), lr=lr, betas=betas, weight_decay=wd, fused=fused)
-    return DiLoCo(model.parameters(), inner, sync_every=cfg.get("sync_every", 10),
-                  outer_lr=cfg.get("outer_lr", OUTER_LR),
-                  wire_dtype=torch.bfloat16 if method.endswith("-bf16") else torch.float32)
+    h, streamed = cfg.get("sync_every", 10), method.endswith("-st")
+    p = cfg.get("fragments", 1) if streamed else 1
+    delay = cfg.get("stream_delay") if streamed else 0
+    return DiLoCo(model.parameters(), inner, sync_every=h, outer_lr=cfg.get("outer_lr", OUTER_LR),
+                  wire_dtype=torch.bfloat16 if "-bf16" in method else torch.float32, fragments=p,
+                  sync_delay=h // p - 1 if delay is None else delay,
+                  update_alpha=cfg.get("fragment_alpha", 0.0) if streamed else 0.0)
 
 
 class MethodRun:
@@ -580,9 +605,10 @@ class MethodRun:
             received = (self._end[1] - b0[1]) / steps
             extra = {}
             if kind in SYNC_EVERY:  # bytes amortised over the window (steps / H syncs)
-                extra = {"sync_every": self.opt.diloco.sync_every if kind in DILOCO else self.opt.sync_every}
+                extra = {"sync_every": self.opt.sync_every}
                 if kind in DILOCO:
-                    extra["outer_lr"] = self.opt.diloco.outer.param_groups[0]["lr"]
+                    extra.update({"outer_lr": self.opt.outer_lr, "fragments": len(self.opt.fragments),
+                                  "sync_delay": self.opt.sync_delay, "update_alpha": self.opt.update_alpha})
                 else:
                     extra.update({"buckets": len(self.opt.buckets), "algorithms": sorted(set(self.opt.algorithm_names))})
                 self.opt.check_replicas()  # the anchor / θ must be bitwise identical

@@ -44,7 +44,7 @@ def summarize(per_rank: list[dict]) -> dict:
         if k in r0:
             out[k] = statistics.mean(r[k] for r in per_rank)
     for k in ("all_reduce_calls_per_step", "buckets_per_step", "bucket_bytes_per_step", "buckets", "algorithms",
-              "sync_every", "outer_lr"):
+              "sync_every", "outer_lr", "fragments", "sync_delay", "update_alpha"):
         if k in r0:
             out[k] = r0[k]
     if "profile_ms_per_step" in r0:
