@@ -8,7 +8,7 @@
    e2e benchmark's (:mod:`dlion.lab.bench.e2e.methods`): DDP + Lion / AdamW with fp32, bf16
    or PowerSGD communication, DistributedLion, and the methods that talk every H =
    ``--sync-every`` steps (LocalDistributedLion ``d-local-mavo[-st]``, ``d-local-avg[-st]``, DiLoCo ``diloco-*`` with
-   ``--outer-lr``), evaluated at their agreed parameters (``opt.anchored()``; a streaming round
+   ``--outer-lr``, Streaming DiLoCo ``diloco-*-st``), evaluated at their agreed parameters (``opt.anchored()``; a streaming round
    in flight is applied after the last step only; an evaluation at bitwise the parameters of the
    last one reuses its loss, :class:`CachedEvaluate`). Each method's ``runs`` entry records the
    bits rank 0 sent per parameter per step over the whole run (``bits_sent_per_param_per_step``:

@@ -26,7 +26,10 @@ talking every H = ``--sync-every`` steps
                            ``d-local-avg-st`` streamed
   ``diloco-{adamw,lion}[-bf16]``  DiLoCo (dlion.lab.diloco, torchft's update): H inner AdamW (10 × lr, as
                            G-AdamW) or Lion steps, the pseudo-gradients averaged by an fp32 (bf16) all-reduce,
-                           outer Nesterov SGD at ``--outer-lr`` (default 0.7)
+                           outer Nesterov SGD at ``--outer-lr`` (default 0.7); ``diloco-*-st``: Streaming
+                           DiLoCo (torchft's): ``--fragments`` P, each fragment's exchange started
+                           ``--stream-delay`` τ steps before its round ends (default H/P − 1), mixed back
+                           with ``--fragment-alpha`` (default 0)
   any of these + ``-h<K>`` (``d-local-avg-h25``, ``diloco-adamw-bf16-h100``): every K steps instead, so
                            that one run times methods at their own H side by side
   ``--steps`` must be a multiple of H with these: the window (after any ``--warmup``) then holds exactly
@@ -37,7 +40,7 @@ talking every H = ``--sync-every`` steps
 Groups for ``--methods``: ``all`` (every method but h-* and those talking every H steps), ``baselines``,
 ``peers``, ``powersgd``, ``dlion``, ``mavo``, ``avg``, ``overlap``, ``hier``, ``nodes`` (compute, G-Lion,
 PowerSGD rank 4, flat and hierarchical MaVo), ``local`` (compute, D-Lion MaVo 1bit overlapped with random ties,
-G-AdamW PowerSGD rank 4 overlapped, and every method talking every H steps).
+G-AdamW PowerSGD rank 4 overlapped, and every method talking every H steps but Streaming DiLoCo).
 
 With ``--nodes K --per-node L`` the virtual cluster groups the ranks into K nodes (``dlion cluster
 --nodes``): unshaped links inside a node, each node's uplink shaped to the ``--link`` rate. On rank 0,
