@@ -518,7 +518,8 @@ def test_e2e_streaming_diloco_sends_the_same_bytes_in_fragments(tmp_path, capsys
     rows = {r["method"]: r for r in doc["results"]}
     n = rows["compute"]["params"]
     for m in ("diloco-adamw-bf16", "diloco-adamw-bf16-st"):
-        assert rows[m]["bytes_sent_per_rank_per_step"] == pytest.approx(2 * (world - 1) / world * 2 * n / h, rel=0.02), m
+        expected = 2 * (world - 1) / world * 2 * n / h
+        assert rows[m]["bytes_sent_per_rank_per_step"] == pytest.approx(expected, rel=0.02), m
     st = rows["diloco-adamw-bf16-st"]
     assert (st["fragments"], st["sync_delay"], st["update_alpha"]) == (2, 1, 0.5)
     assert (rows["diloco-adamw-bf16"]["fragments"], rows["diloco-adamw-bf16"]["sync_delay"]) == (1, 0)

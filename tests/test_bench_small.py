@@ -253,7 +253,8 @@ def test_ttq_rebase_compute_inputs_from_reuses_a_result_and_adds_a_rival(tmp_pat
     subprocess.run([sys.executable, script, "--inputs-from", str(first), "--rebased-others", str(p["rival"]),
                     "--out", str(again)], check=True, capture_output=True, timeout=60)
     got = json.loads(again.read_text())["links"]
-    assert [r["first"] for r in got["100mbit"]["seeds"]] == [False, True] and got["100mbit"]["seeds"][0]["soonest_other_s"] == 1.0
+    assert [r["first"] for r in got["100mbit"]["seeds"]] == [False, True]
+    assert got["100mbit"]["seeds"][0]["soonest_other_s"] == 1.0
     assert [r["first"] for r in got["50mbit"]["seeds"]] == [True, True] and got["1gbit"]["first_on"] == 2
     bare = subprocess.run([sys.executable, script, "--out", str(again)], capture_output=True, text=True, timeout=60)
     assert bare.returncode != 0 and "--steps-json" in bare.stderr

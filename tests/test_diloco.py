@@ -333,7 +333,8 @@ def _streaming_literal_worker(rank, world, wire, delay, alpha):
     return out, anchored, theta, lab.comm_stats.bytes_sent, sum(q.numel() for q in params)
 
 
-@pytest.mark.parametrize("wire,delay,alpha", [(torch.float32, 1, 0.0), (torch.bfloat16, 1, 0.5), (torch.float32, 0, 0.0)])
+@pytest.mark.parametrize("wire,delay,alpha", [(torch.float32, 1, 0.0), (torch.bfloat16, 1, 0.5),
+                                              (torch.float32, 0, 0.0)])
 def test_streaming_matches_a_literal_reference_on_three_ranks(wire, delay, alpha):
     world = 3
     results = spawn(_streaming_literal_worker, world, wire, delay, alpha)
@@ -353,11 +354,13 @@ def test_streaming_matches_a_literal_reference_on_three_ranks(wire, delay, alpha
 def test_streaming_checks_its_arguments():
     m = _two_layers()
     inner = _inner("adamw", m)
-    for kwargs, msg in (({"fragments": 0}, "fragments must be"), ({"fragments": 3, "sync_every": 3}, "fragments must be an int from 1"),
+    for kwargs, msg in (({"fragments": 0}, "fragments must be"),
+                        ({"fragments": 3, "sync_every": 3}, "fragments must be an int from 1"),
                         ({"sync_every": 5, "fragments": 2}, "multiple of fragments"),
                         ({"sync_delay": 2, "fragments": 2}, "sync_delay"), ({"sync_delay": -1}, "sync_delay"),
                         ({"update_alpha": 1.5}, "update_alpha")):
         with pytest.raises(ValueError, match=msg):
             ld.DiLoCo(m.parameters(), inner, **{"sync_every": 4, **kwargs})
-    assert [len(f) for f in ld.split_fragments([torch.zeros(10), torch.zeros(1), torch.zeros(1), torch.zeros(10)], 2)] == [2, 2]
+    sizes = [torch.zeros(10), torch.zeros(1), torch.zeros(1), torch.zeros(10)]
+    assert [len(f) for f in ld.split_fragments(sizes, 2)] == [2, 2]
     assert [len(f) for f in ld.split_fragments([torch.zeros(10), torch.zeros(1), torch.zeros(1)], 3)] == [1, 1, 1]

@@ -166,7 +166,8 @@ def split_fragments(params: list[Tensor], fragments: int) -> list[list[Tensor]]:
     """The parameters in ``fragments`` contiguous runs of about equal size (a parameter is never split):
     fragment f ends at the first parameter whose running count of elements reaches (f + 1)/P of the total."""
     if not isinstance(fragments, int) or isinstance(fragments, bool) or not 1 <= fragments <= len(params):
-        raise ValueError(f"fragments must be an int from 1 to the number of parameters ({len(params)}), got {fragments!r}")
+        raise ValueError(f"fragments must be an int from 1 to the number of parameters ({len(params)}), "
+                         f"got {fragments!r}")
     total, out, run, seen = sum(p.numel() for p in params), [], [], 0
     for i, p in enumerate(params):
         run.append(p)
