@@ -529,4 +529,5 @@ def test_e2e_streaming_diloco_sends_the_same_bytes_in_fragments(tmp_path, capsys
                     (["diloco-adamw-st", "--sync-every", "6", "--fragments", "4"], "must be a multiple of --fragments"),
                     (["diloco-adamw-st", "--sync-every", "4", "--fragments", "2", "--stream-delay", "2"],
                      "must be < H / P = 2"),
-                    (["diloco-adamw-st", "--fragment-alpha", "2"], "--fragment-alpha must be between 0 and 1"))
+                    (["diloco-adamw-st", "--fragment-alpha", "2"], "--fragment-alpha must be between 0 and 1"),
+                    (["diloco-adamw-st", "--stream-delay", "-1"], "--stream-delay must be >= 0"))

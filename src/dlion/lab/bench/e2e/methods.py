@@ -163,8 +163,9 @@ def methods_from_args(ap, args) -> list[str]:
     streamed = [m for m in methods if split_sync_every(m)[0] in SYNC_EVERY and split_sync_every(m)[0].endswith("-st")]
     diloco_st = [m for m in streamed if m.startswith("diloco-")]
     if args.stream_delay is not None:
-        if args.stream_delay < (0 if diloco_st and len(diloco_st) == len(streamed) else 1):
-            ap.error(f"--stream-delay must be >= 1, got {args.stream_delay}")
+        lowest = 0 if diloco_st and len(diloco_st) == len(streamed) else 1  # (DiLoCo's τ = 0: no overlap)
+        if args.stream_delay < lowest:
+            ap.error(f"--stream-delay must be >= {lowest}, got {args.stream_delay}")
         if not streamed:
             ap.error("--stream-delay applies to the streamed methods only: add d-local-mavo-st, d-local-avg-st or "
                      "diloco-*-st to --methods")
