@@ -14,19 +14,12 @@ cd "$(dirname "$0")/../../.."
 P=${PYTHON:-python}
 LR=${LR:?the chosen inner lr}; OLR=${OLR:?the chosen outer lr}
 RUNS=docs/results/ttq-heldout/diloco-bf16-h50-olr$OLR-lr$LR-seed
+. docs/results/ttq-heldout-x16/compose_common.sh
 for HOST in x16 x4; do
-if [ $HOST = x16 ]; then S=16; OWN=docs/results/e2e-local-x16-h50/e2e_results.json; REF=docs/results/e2e-local-x16/e2e_results.json
-     LINKS=3125kbit,6250kbit,62500kbit
-else S=4; OWN=docs/results/e2e-local-x4-h50/e2e_results.json; REF=docs/results/e2e-faster-host-x4/e2e_results.json
-     LINKS=12500kbit,25mbit,250mbit; fi
+host $HOST; OWN=docs/results/e2e-local-$HOST-h50/e2e_results.json
 for T in 2.1 2.2; do
-  O=docs/results/ttq-heldout-$HOST; [ $T = 2.2 ] && O=docs/results/ttq-heldout-$HOST-target2.2
-  if [ $HOST = x16 ]; then OTHERS="$O/seeds-w0.1/ttq_seeds.json $O/seeds-avg/ttq_seeds.json"; else OTHERS=$O/seeds-w0.1/ttq_seeds.json; fi
-  for K in 0 1 2 3 4; do
-    $P -m dlion bench ttq --curves $RUNS$K/ttq_results.json --step-times $OWN --target $T --compute-speedup $S \
-        --out $O/diloco-bf16-h50-seed$K > /dev/null
-  done
-  $P -m dlion bench ttq --across $O/diloco-bf16-h50-seed{0,1,2,3,4}/ttq_results.json --out $O/seeds-diloco-bf16-h50 > /dev/null
+  target $HOST $T
+  compose_seeds $RUNS $OWN $T diloco-bf16-h50
   D=$O/seeds-diloco-bf16-h50/rebased.json
   $P scripts/ttq_rebase_compute.py --steps-json $O/seeds-diloco-bf16-h50/ttq_seeds.json \
       --method diloco-adamw-bf16 --e2e-method diloco-adamw-bf16 --own $OWN --ref $REF --speedup $S --raw-links $LINKS \

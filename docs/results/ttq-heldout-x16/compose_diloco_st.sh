@@ -14,18 +14,12 @@ set -e
 cd "$(dirname "$0")/../../.."
 P=${PYTHON:-python}
 RUNS=docs/results/ttq-heldout/diloco-bf16-st-h100-d5-a0.5-olr1.0-lr1e-4-seed
+. docs/results/ttq-heldout-x16/compose_common.sh
 for HOST in ${HOSTS:-x16 x4}; do
-if [ $HOST = x16 ]; then S=16; REF=docs/results/e2e-local-x16/e2e_results.json; LINKS=3125kbit,6250kbit,62500kbit
-else S=4; REF=docs/results/e2e-faster-host-x4/e2e_results.json; LINKS=12500kbit,25mbit,250mbit; fi
-OWN=docs/results/e2e-local-$HOST-st-h100/e2e_results.json
+host $HOST; OWN=docs/results/e2e-local-$HOST-st-h100/e2e_results.json
 for T in 2.1 2.2; do
-  O=docs/results/ttq-heldout-$HOST; [ $T = 2.2 ] && O=docs/results/ttq-heldout-$HOST-target2.2
-  if [ $HOST = x16 ]; then OTHERS="$O/seeds-w0.1/ttq_seeds.json $O/seeds-avg/ttq_seeds.json"; else OTHERS=$O/seeds-w0.1/ttq_seeds.json; fi
-  for K in 0 1 2 3 4; do
-    $P -m dlion bench ttq --curves $RUNS$K/ttq_results.json --step-times $OWN --target $T --compute-speedup $S \
-        --out $O/diloco-bf16-st-h100-seed$K > /dev/null
-  done
-  $P -m dlion bench ttq --across $O/diloco-bf16-st-h100-seed{0,1,2,3,4}/ttq_results.json --out $O/seeds-diloco-bf16-st-h100 > /dev/null
+  target $HOST $T
+  compose_seeds $RUNS $OWN $T diloco-bf16-st-h100
   ROWS=""   # every row already moved onto the others' compute-only step, for this host and target
   for NAME in diloco-bf16-h100 diloco-bf16-h100-olr1.0 diloco-bf16-h50 avg-h32-reset avg-h32-reset-lr6e-4 avg-h25-reset \
               avg-h50-reset avg-st-h25-d11 avg-st-h25-d3 avg-st-h25-f3-ra avg-st-h25-f3-rates; do

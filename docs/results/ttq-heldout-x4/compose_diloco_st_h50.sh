@@ -14,13 +14,11 @@ cd "$(dirname "$0")/../../.."
 P=${PYTHON:-python}
 RUNS=docs/results/ttq-heldout/diloco-bf16-st-h50-d3-a0.5-olr0.7-lr2e-4-seed
 OWN=docs/results/e2e-local-x4-st-h50/e2e_results.json
+. docs/results/ttq-heldout-x16/compose_common.sh
+host x4
 for T in 2.1 2.2; do
-  O=docs/results/ttq-heldout-x4; [ $T = 2.2 ] && O=docs/results/ttq-heldout-x4-target2.2
-  for K in 0 1 2 3 4; do
-    $P -m dlion bench ttq --curves $RUNS$K/ttq_results.json --step-times $OWN --target $T --compute-speedup 4 \
-        --out $O/diloco-bf16-st-h50-seed$K > /dev/null
-  done
-  $P -m dlion bench ttq --across $O/diloco-bf16-st-h50-seed{0,1,2,3,4}/ttq_results.json --out $O/seeds-diloco-bf16-st-h50 > /dev/null
+  target x4 $T
+  compose_seeds $RUNS $OWN $T diloco-bf16-st-h50
   ROWS=""
   for NAME in diloco-bf16-h100 diloco-bf16-h100-olr1.0 diloco-bf16-h50 diloco-bf16-st-h100 avg-h32-reset avg-h32-reset-lr6e-4 \
               avg-st-h25-f3-rates; do
@@ -29,8 +27,7 @@ for T in 2.1 2.2; do
   D=$O/seeds-diloco-bf16-st-h50/rebased.json
   $P scripts/ttq_rebase_compute.py --steps-json $O/seeds-diloco-bf16-st-h50/ttq_seeds.json \
       --method "diloco-adamw-bf16-st|stream_delay=3|fragment_alpha=0.5" --e2e-method diloco-adamw-bf16-st --own $OWN \
-      --ref docs/results/e2e-faster-host-x4/e2e_results.json --speedup 4 --raw-links 12500kbit,25mbit,250mbit --links 1gbit \
-      --others $O/seeds-w0.1/ttq_seeds.json --rebased-others $ROWS --out $D > /dev/null
+      --ref $REF --speedup $S --raw-links $LINKS --links 1gbit --others $OTHERS --rebased-others $ROWS --out $D > /dev/null
   for NAME in avg-st-h25-f3-rates avg-h32-reset; do
     $P scripts/ttq_rebase_compute.py --inputs-from $O/seeds-$NAME/rebased-vs-diloco-st.json --rebased-others $D \
         --out $O/seeds-$NAME/rebased-vs-diloco-st-h50.json > /dev/null

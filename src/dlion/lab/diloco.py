@@ -93,9 +93,7 @@ def average(deltas: list[Tensor], wire_dtype: torch.dtype, world: int, reduce: C
     place over the ranks by ``reduce``, back in Δ's dtype, ÷ N."""
     flat = torch.cat([d.reshape(-1) for d in deltas]).to(wire_dtype)
     reduce(flat)
-    flat = flat.to(deltas[0].dtype)
-    flat /= world
-    return [v.view_as(d) for v, d in zip(flat.split([d.numel() for d in deltas]), deltas)]
+    return finish_average(Exchange(deltas, flat), world)
 
 
 @torch.no_grad()
@@ -154,7 +152,7 @@ def start_average(state: DiLoCoState, deltas: list[Tensor],
 
 
 def finish_average(ex: Exchange, world: int) -> list[Tensor]:
-    """Wait for the exchange; (Σ_i Δ_i) / N per parameter, as :func:`average`."""
+    """Wait for the exchange (if in flight); (Σ_i Δ_i) / N per parameter, back in Δ's dtype."""
     if ex.work is not None:
         ex.work.wait()
     flat = ex.flat.to(ex.deltas[0].dtype)
