@@ -134,3 +134,37 @@ def test_edge_stage_takes_an_lr_past_the_grid_only_when_it_ranks_better(tmp_path
     chosen = heldout.choose(heldout.rows_of(str(tmp_path), 2.1))
     assert {m: (c["lr"], c["warmup"], c["beyond_grid"]) for m, c in chosen.items()} == {
         "a": (4e-4, 0.3, [4e-4, 6e-4]), "b": (1e-4, 0.3, [5e-5]), "c": (5e-5, 0.1, [5e-5])}
+
+
+def test_diloco_at_another_outer_lr_or_streamed_is_a_method_of_its_own_and_lrs_print_apart(tmp_path):
+    for name, method, extra, lr, loss in (("plain", "diloco-adamw-bf16", {}, 1e-4, 2.0),
+                                          ("olr", "diloco-adamw-bf16", {"outer_lr": 1.0}, 1e-4, 1.9),
+                                          ("olr-lr2", "diloco-adamw-bf16", {"outer_lr": 1.0}, 2e-4, 2.05),
+                                          ("st", "diloco-adamw-bf16-st", {"outer_lr": 1.0, "stream_delay": 5,
+                                                                          "fragment_alpha": 0.5}, 3e-4, 2.0),
+                                          ("st-a0", "diloco-adamw-bf16-st", {"outer_lr": 1.0, "stream_delay": 5,
+                                                                             "fragment_alpha": 0.0}, 3e-4, 2.02),
+                                          ("vote", "d-local-avg", {"outer_lr": 1.0}, 1.5e-3, 2.0)):  # (no outer lr)
+        _write(tmp_path, name, {method: [[0, 3.0], [10, loss]]}, lr)
+        doc = json.loads((tmp_path / name / "ttq_results.json").read_text())
+        doc["config"].update({"sync_every": 100, "outer_lr": 0.7, **extra})
+        (tmp_path / name / "ttq_results.json").write_text(json.dumps(doc))
+    rows = heldout.rows_of(str(tmp_path), 2.1)
+    assert sorted((r["method"], r["lr"]) for r in rows) == [
+        ("d-local-avg H=100", 1.5e-3), ("diloco-adamw-bf16 H=100", 1e-4), ("diloco-adamw-bf16 H=100 outer_lr=1", 1e-4),
+        ("diloco-adamw-bf16 H=100 outer_lr=1", 2e-4), ("diloco-adamw-bf16-st H=100 outer_lr=1 τ=5 α=0", 3e-4),
+        ("diloco-adamw-bf16-st H=100 outer_lr=1 τ=5 α=0.5", 3e-4)]
+    chosen = heldout.choose(rows)
+    # the outer lr and α are chosen too: 1.0 reaches the target in as many steps as 0.7 at a lower loss, and so does
+    # α = 0.5 against 0, so only their labels keep the mark
+    assert {m: (c["lr"], c["best_outer"]) for m, c in chosen.items()} == {
+        "diloco-adamw-bf16 H=100": (1e-4, False), "diloco-adamw-bf16 H=100 outer_lr=1": (1e-4, True),
+        "diloco-adamw-bf16-st H=100 outer_lr=1 τ=5 α=0": (3e-4, False),
+        "diloco-adamw-bf16-st H=100 outer_lr=1 τ=5 α=0.5": (3e-4, True)}
+    assert heldout.main([str(tmp_path)]) == 0
+    text = (tmp_path / "tune_seed100.txt").read_text()
+    marked = [ln.split("  ")[0] for ln in text.splitlines() if ln.endswith("<- chosen")]
+    assert marked == ["diloco-adamw-bf16 H=100 outer_lr=1", "diloco-adamw-bf16-st H=100 outer_lr=1 τ=5 α=0.5"]
+    assert " 1.5e-03 " in text and " 1e-04 " in text and " 2e-03 " not in text
+    # 1.5e-3 is off the lr grid: no 30 % grid run, so that method carries no mark and the footer names it
+    assert text.splitlines()[-1].endswith("no mark (a later rule part, rule_part*.txt, chose among them): d-local-avg H=100")
