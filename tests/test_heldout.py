@@ -167,4 +167,4 @@ def test_diloco_at_another_outer_lr_or_streamed_is_a_method_of_its_own_and_lrs_p
     assert marked == ["diloco-adamw-bf16 H=100 outer_lr=1", "diloco-adamw-bf16-st H=100 outer_lr=1 τ=5 α=0.5"]
     assert " 1.5e-03 " in text and " 1e-04 " in text and " 2e-03 " not in text
     # 1.5e-3 is off the lr grid: no 30 % grid run, so that method carries no mark and the footer names it
-    assert text.splitlines()[-1].endswith("no mark (a later rule part, rule_part*.txt, chose among them): d-local-avg H=100")
+    assert text.splitlines()[-1].endswith("(a later rule part, rule_part*.txt, chose among them): d-local-avg H=100")

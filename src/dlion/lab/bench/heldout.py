@@ -22,7 +22,8 @@ from the file itself; a method that talks every H steps run at another H than th
 method of its own, ``NAME H=50``, and so is the local vote at another ``--outer-scale``, ``NAME H=50 α=0.67``,
 and with ``--reset-momentum``, ``NAME H=50 α=0.83 reset``; streamed, with ``--stream-delay`` or ``--fragments``,
 ``NAME … τ=11`` or ``NAME … P=3``; DiLoCo at another ``--outer-lr`` than 0.7, ``NAME H=100 outer_lr=1``, and
-Streaming DiLoCo with its ``--fragment-alpha``, ``NAME … τ=5 α=0.5``) and writes ``tune_seed100.json`` and ``tune_seed100.txt`` into DIR::
+Streaming DiLoCo with its ``--fragment-alpha``, ``NAME … τ=5 α=0.5``) and writes ``tune_seed100.json`` and
+``tune_seed100.txt`` into DIR::
 
     python -m dlion.lab.bench.heldout docs/results/ttq-heldout
 """
