@@ -358,6 +358,26 @@ def test_random_ties_keep_every_rank_identical_and_break_ties():
     assert moved_random < moved_zero  # with a coin, tied coordinates move too
 
 
+def avg_ties_worker(rank, world):
+    return local_worker(rank, world, [dict(H=2, steps=6, vote="avg", ties=t, dense=True) for t in ("zero", "random")])
+
+
+def test_the_averaged_vote_ignores_ties():
+    """At even N the sum of signs is often 0; the mean of the signs applies it as 0 whatever ``ties`` says, so
+    ``ties="random"`` trains and sends exactly what ``ties="zero"`` does (benchmarks compare such runs freely)."""
+    world = 4
+    res = spawn(avg_ties_worker, world)
+    anchors, _ = reference(world, 6, 2, vote="avg", dense=True)
+    assert any(int((a == b).sum()) for a, b in zip(anchors[2], init_params(0)))  # (some coordinates tied: did not move)
+    for r in res:
+        zero, coin = r
+        for t, want in anchors.items():
+            assert all(torch.equal(a, w) for a, w in zip(zero["synced"][t], want))
+            assert all(torch.equal(a, w) for a, w in zip(coin["synced"][t], want))
+        untimed = [{k: v for k, v in x["stats"].items() if not k.endswith("_s")} for x in (zero, coin)]
+        assert untimed[0] == untimed[1] and untimed[0]["bytes_sent"] > 0
+
+
 # -- bytes: once per round, what one every-step step of the same algorithm sends ---------------
 def bytes_worker(rank, world, frozen):
     torch.manual_seed(0)

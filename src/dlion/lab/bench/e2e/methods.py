@@ -194,8 +194,11 @@ def methods_from_args(ap, args) -> list[str]:
 
 
 def takes_ties(method: str) -> bool:
-    """Whether ``method`` ties as ``--ties`` says (D-Lion without -rt / -pt, and the DDP hook)."""
+    """Whether ``method`` ties as ``--ties`` says (D-Lion without -rt / -pt, and the DDP hook). The flat averaged
+    vote (``d-avg-*``, ``d-local-avg*``) applies a zero sum as 0 whatever ``ties`` says (tests/test_local.py)."""
     parts = method.split("-")
+    if method.startswith(("d-avg-", "d-local-avg")):
+        return False
     return (method.startswith(("d-", "h-")) and not {"rt", "pt"} & set(parts[3:])) or method.startswith("ddp-dlion")
 
 
