@@ -336,6 +336,10 @@ def test_local_specs():
     config = {"methods": {"glion": {"lr": 1e-4, "weight_decay": 0.1}, "gadamw": {"lr": 3e-3, "weight_decay": 0.1}}}
     assert hparams_for(config, "charlm", "dlocal_mavo:25") == {"lr": 1e-4, "weight_decay": 0.1}
     assert hparams_for(config, "charlm", "diloco_adamw_bf16:10") == {"lr": 3e-3, "weight_decay": 0.1}
+    # a config entry that writes out an option at its default is the same spec, not a miss falling back to glion's lr
+    config["methods"]["dlocal_mavo:4:alpha=1:vote=avg:mr=1"] = {"lr": 4e-3, "weight_decay": 0.1}
+    assert canonical("dlocal_mavo:4:alpha=1:vote=avg:mr=1") == "dlocal_mavo:4:vote=avg:mr=1"
+    assert hparams_for(config, "charlm", "dlocal_mavo:4:vote=avg:mr=1") == {"lr": 4e-3, "weight_decay": 0.1}
 
 
 def test_stacked_gradients_are_each_workers_own():

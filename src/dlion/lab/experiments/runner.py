@@ -716,7 +716,12 @@ def _append(path: str, rec: dict) -> None:
 
 
 def hparams_for(config: Optional[dict], task: str, method: str) -> dict:
-    methods = (config or {}).get("methods", {})
+    methods = dict((config or {}).get("methods", {}))
+    for k in list(methods):  # a config may spell a spec with its defaults (":alpha=1"): match it written out
+        try:
+            methods.setdefault(canonical(k), methods[k])
+        except ValueError:
+            pass
     # a local-step method falls back on the every-step method of its inner optimizer
     keys = [method, canonical(method)] + [k for k in (twin(method),) if k]
     for key in keys:
