@@ -27,6 +27,7 @@ Bits are what one rank sends per parameter per step, amortised over the run
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -131,6 +132,41 @@ def vote_round(anchor: Sequence[Tensor], workers: Sequence[Tensor], errors: Opti
             m.mul_(b2).add_(delta * (1.0 - b2))
             delta = step
         a.sub_(delta.mul_(step_scale))
+        x.copy_(a.unsqueeze(0).expand_as(x))
+
+
+def packed_bits(levels: int, word: int = 64) -> float:
+    """Bits per value when values of ``levels`` levels are packed base-``levels`` into ``word``-bit
+    words (as trits go 5 to a byte): word / ⌊word / log2 levels⌋."""
+    return word / math.floor(word / math.log2(levels))
+
+
+def count_round(anchor: Sequence[Tensor], workers: Sequence[Tensor], errors: Optional[Sequence[Tensor]],
+                lr_sum: float, H: int, alpha: float, exact: bool = False) -> None:
+    """One sync of the value votes (experiments, in place, per tensor; A: shape S, x and e: (N, *S)):
+
+        ``exact`` (``vote=mean``): A ← A − α·mean_i(A − x_i)     (model averaging at α = 1; fp32, a bound)
+        else      (``vote=count``): u = S/H, the round's mean lr (one Lion step without decay);
+                  e_i ← e_i + (A − x_i);  k_i = clamp(round(e_i / u), −H, H);  e_i ← e_i − u·k_i
+                  A ← A − α·u·mean_i k_i
+
+    With momenta reset, H Lion steps move a coordinate by u times an integer count in [−H, H] (give or take
+    the decay and the lr's drift in the round), so the count is Lion's progress nearly whole, in
+    log2(2H + 1) bits; the error feedback keeps what the rounding dropped. Then every x_i ← A."""
+    u = lr_sum / H
+    for k, (a, x) in enumerate(zip(anchor, workers)):
+        d = a.unsqueeze(0) - x
+        if exact:
+            step = d.mean(0)
+        else:
+            e = errors[k] if errors is not None else d
+            if errors is not None:
+                e.add_(d)
+            q = torch.round(e / u).clamp_(-H, H)
+            if errors is not None:
+                e.sub_(q * u)
+            step = q.mean(0).mul_(u)
+        a.sub_(step.mul_(alpha))
         x.copy_(a.unsqueeze(0).expand_as(x))
 
 
@@ -290,8 +326,12 @@ class LocalVote(LocalMethod):
             self.pending: Optional[tuple] = None  # (Δ per parameter index, α·S, the parameter indices)
             self.pending_step = 0
         self.momentum_reset = bool(momentum_reset)
-        if vote not in ("mavo", "avg"):
-            raise ValueError(f"vote must be 'mavo' or 'avg', got {vote!r}")
+        if vote not in ("mavo", "avg", "mean", "count"):
+            raise ValueError(f"vote must be 'mavo', 'avg', 'mean' or 'count', got {vote!r}")
+        if vote in ("mean", "count") and (streaming or outer_betas[0] > 0 or error_scale or abstain_below
+                                          or inner != "lion"):
+            raise ValueError(f"vote={vote!r} takes no streaming, outer-step experiments, abstain_below "
+                             "or AdamW inner")
         self.vote = vote
         if error_scale and not error_feedback:
             raise ValueError("error_scale needs error feedback")
@@ -381,6 +421,12 @@ class LocalVote(LocalMethod):
                 self.inner.state[self.workers[j]]["exp_avg"].zero_()
 
     def sync(self) -> None:
+        if self.vote in ("mean", "count"):
+            count_round(self.params, self.workers, self.errors, self.round_lr_sum, self.round_steps, self.alpha,
+                        exact=self.vote == "mean")
+            self._zero_momenta(range(len(self.workers)))
+            self._count_bits(self.bits_counter.num_params)
+            return
         outer = (*self.outer_betas, self.outer_moms) if self.outer_moms is not None else None
         vote_round(self.params, self.workers, self.errors, self.alpha * self.round_lr_sum, self.ties,
                    self.generator, outer, abstain_below=self.abstain_below * self.round_lr_sum,
@@ -391,6 +437,14 @@ class LocalVote(LocalMethod):
     def _count_bits(self, d: int) -> None:
         """The bits of one exchange of ``d`` parameters."""
         N = self.world_size
+        if self.vote == "mean":
+            self.bits_counter.add("all_reduce fp32", ring_allreduce_bits(d, 32, N))
+            return
+        if self.vote == "count":  # counts in [−H, H] to their chunk's rank, the sums in [−NH, NH] back
+            up, down = packed_bits(2 * self.H + 1), packed_bits(2 * N * self.H + 1)
+            self.bits_counter.add(f"all_to_all counts ({up:.3g} bits)", alltoall_bits(d * up, N))
+            self.bits_counter.add(f"all_gather sums ({down:.3g} bits)", alltoall_bits(d * down, N))
+            return
         b_up = TRIT_BITS if self.abstain_below else 1.0
         # the codes back as the library's rule sends them (MaVo: 1 bit, or base 3 with zeros; Avg: the sum of the signs)
         b_down = VoteRule(self.vote, N, self.ties).result_bits(zeros=bool(self.abstain_below))

@@ -36,8 +36,11 @@ base                    round (H local steps, then)                             
                         (``ob1``, ``ob2`` > 0: the step is sign(ob1·M + (1 − ob1)·Δ),      ``ob1``, ``ob2`` (0: off)
                         M ← ob2·M + (1 − ob2)·Δ, Lion's rule on the votes; an experiment)
                         (``osoft=1``: that step without its sign; ``esc=1``: the step is   ``osoft``, ``esc`` (0: off)
-                        α·mean_i mean|e_i| per tensor instead of α·Σlr; experiments;      ``vote`` (mavo|avg)
-                        ``vote=avg``: Δ = mean_i sign(e_i), D-Lion Avg's rule)
+                        α·mean_i mean|e_i| per tensor instead of α·Σlr; experiments;      ``vote`` (mavo|avg|count|mean)
+                        ``vote=avg``: Δ = mean_i sign(e_i), D-Lion Avg's rule;
+                        ``vote=count``: each rank's integer count k_i of Lion steps in
+                        [−H, H], A ← A − α·(S/H)·mean_i k_i; ``vote=mean``: the exact
+                        fp32 mean of the progress, a bound; :func:`.local_steps.count_round`)
                         (``sw=K``, ``h0=H0``: rounds of H0 steps for the first K steps,    ``sw`` (0), ``h0`` (1)
                         then of H; ``h0=1`` is the library's ``sync_warmup=K``)
                         (``mr=1``: every rank's Lion momentum reset to 0 at each sync;     ``mr`` (0: off)
@@ -169,8 +172,8 @@ def local_options(spec: str) -> dict:
                 raise ValueError(f"ties must be zero or random, got {spec!r}")
             out[key] = value
         elif key == "vote":
-            if value not in ("mavo", "avg"):
-                raise ValueError(f"vote must be mavo or avg, got {spec!r}")
+            if value not in ("mavo", "avg", "mean", "count"):
+                raise ValueError(f"vote must be mavo, avg, mean or count, got {spec!r}")
             out[key] = value
         elif key == "inner":
             if value not in ("lion", "adamw"):
@@ -336,6 +339,8 @@ def label(spec: str, legacy: bool = False) -> str:
             text += ", step mean|e|"
         if opts.get("vote", "mavo") == "avg":
             text = text.replace("MaVo", "Avg")
+        elif opts.get("vote", "mavo") in ("mean", "count"):
+            text = text.replace("MaVo", {"mean": "mean (fp32)", "count": "count vote"}[opts["vote"]])
         if opts.get("inner", "lion") == "adamw":
             text = text.replace("D-Local", "D-Local (AdamW inner)")
         if opts.get("sw", 0):
