@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from dlion.lab.experiments.local_steps import DiLoCo, LocalVote, diloco_bits, local_vote_bits, vote_round
+from dlion.lab.experiments.local_steps import (DiLoCo, LocalVote, count_round, diloco_bits, local_vote_bits,
+                                              vote_round)
 from dlion.lab.experiments.runner import (BETAS, canonical, family, hparams_for, label, local_options, make_method,
                                           parse_method, run_one)
 from dlion.lab.experiments.tasks import make_task
@@ -107,6 +108,54 @@ def test_vote_round_avg_steps_by_the_mean_sign():
     vote_round([A], [torch.tensor([[1.0, 1.0], [-1.0, 1.0]], dtype=F64)], None, 1.0, ties="random",
                generator=torch.Generator().manual_seed(0), vote="avg")
     torch.testing.assert_close(A, torch.tensor([0.0, 1.0], dtype=F64))
+
+
+def test_count_round_is_the_literal_arithmetic():
+    # 2 workers, S = 0.4 over H = 4 steps → u = 0.1; error feedback on, α = 0.5
+    A = torch.tensor([1.0, 0.0, 0.0], dtype=F64)
+    x = torch.tensor([[0.6, 0.27, 0.0], [1.2, -0.5, 0.49]], dtype=F64)
+    e = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.04, 0.0]], dtype=F64)
+    count_round([A], [x], [e], 0.4, 4, 0.5)
+    # d = A − x = [[0.4, −0.27, 0], [−0.2, 0.5, −0.49]]; e + d = [[0.4, −0.27, 0], [−0.2, 0.54, −0.49]]
+    # k = round(e/u) clamped to [−4, 4] = [[4, −3, 0], [−2, 4, −5 → −4]]
+    torch.testing.assert_close(e, torch.tensor([[0.0, 0.03, 0.0], [0.0, 0.14, -0.09]], dtype=F64))
+    # mean k = [1, 0.5, −2] → A − 0.5·0.1·[1, 0.5, −2]
+    torch.testing.assert_close(A, torch.tensor([0.95, -0.025, 0.1], dtype=F64))
+    assert torch.equal(x, A.expand(2, 3))
+    # exact: A − α·mean d, the errors untouched
+    A = torch.tensor([1.0, 0.0, 0.0], dtype=F64)
+    x = torch.tensor([[0.6, 0.27, 0.0], [1.2, -0.5, 0.49]], dtype=F64)
+    count_round([A], [x], None, 0.4, 4, 1.0, exact=True)
+    torch.testing.assert_close(A, torch.tensor([0.9, -0.115, 0.245], dtype=F64))
+
+
+def test_the_count_vote_sends_lions_progress_whole():
+    # no decay, a constant lr, momenta reset: H Lion steps are u times an integer count, so the count vote
+    # at α = 1 is model averaging (the exact mean), bitwise up to rounding, and leaves no residual
+    N, H, steps, lr = 4, 4, 12, 0.01
+    torch.manual_seed(0)
+    init = torch.randn(7, 3)
+    a, b = [init.clone()], [init.clone()]
+    count = make_method(f"dlocal_mavo:{H}:vote=count:mr=1", a, N, {"lr": lr, "weight_decay": 0.0}, "charlm", 0, steps)
+    mean = make_method(f"dlocal_mavo:{H}:vote=mean:mr=1", b, N, {"lr": lr, "weight_decay": 0.0}, "charlm", 0, steps)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        g = torch.randn(N, 7, 3, generator=gen)
+        count.step([g.clone()])
+        mean.step([g.clone()])
+    torch.testing.assert_close(a[0], b[0], rtol=0, atol=1e-6)
+    assert count.errors[0].abs().max() < 1e-6
+    # the anchor moved by multiples of lr/N: mean counts
+    moved = (init - a[0]) / (lr / N)
+    torch.testing.assert_close(moved, moved.round(), rtol=0, atol=1e-3)
+    # bits, by hand: counts in −4..4 (9 levels: 20 to a 64-bit word, 3.2 bits) to the chunk's rank, sums of 4
+    # in −16..16 (33 levels: 12 to a word) back, each (N−1)/N, 3 syncs over 12 steps; the mean: an fp32 ring
+    assert count.bits()["bits"] == pytest.approx(3 * 0.75 * (64 / 20 + 64 / 12) / 12)
+    assert mean.bits()["bits"] == pytest.approx(3 * 2 * 0.75 * 32 / 12)
+    assert label(f"dlocal_mavo:{H}:vote=count:mr=1") == "D-Local count vote H=4, momenta reset at each sync"
+    with pytest.raises(ValueError, match="count"):
+        make_method("dlocal_mavo:4:vote=count:st=1", [init.clone()], N, {"lr": lr, "weight_decay": 0.0},
+                    "charlm", 0, steps)
 
 
 def _grads(N, shapes, gen):
