@@ -389,6 +389,12 @@ def test_local_specs():
     config["methods"]["dlocal_mavo:4:alpha=1:vote=avg:mr=1"] = {"lr": 4e-3, "weight_decay": 0.1}
     assert canonical("dlocal_mavo:4:alpha=1:vote=avg:mr=1") == "dlocal_mavo:4:vote=avg:mr=1"
     assert hparams_for(config, "charlm", "dlocal_mavo:4:vote=avg:mr=1") == {"lr": 4e-3, "weight_decay": 0.1}
+    # a typo that is no spec raises; one that is another spec of the same base falls back, with a warning
+    with pytest.raises(ValueError, match="dlocal_mavo:4:vote=avgg"):
+        hparams_for({"methods": {"dlocal_mavo:4:vote=avgg": {"lr": 4e-3, "weight_decay": 0.1}}}, "charlm",
+                    "dlocal_mavo:4:vote=avg")
+    with pytest.warns(UserWarning, match="dlocal_mavo:4:vote=avg:mr=1"):
+        assert hparams_for(config, "charlm", "dlocal_mavo:4:vote=avg:mr=0:ef=0") == {"lr": 1e-4, "weight_decay": 0.1}
 
 
 def test_stacked_gradients_are_each_workers_own():

@@ -88,6 +88,7 @@ import json
 import math
 import os
 import time
+import warnings
 from typing import Optional
 
 import torch
@@ -721,16 +722,24 @@ def _append(path: str, rec: dict) -> None:
 
 
 def hparams_for(config: Optional[dict], task: str, method: str) -> dict:
+    """The lr and weight decay ``config`` gives ``method``: its own entry (a spec written with its defaults
+    spelled out matches), else a local-step method's every-step twin's (``glion`` / ``gadamw``), else the
+    task's defaults. An entry that is no spec raises (a typo would otherwise fall back in silence); a fall
+    back to the twin while the config names other specs of the same base warns."""
     methods = dict((config or {}).get("methods", {}))
     for k in list(methods):  # a config may spell a spec with its defaults (":alpha=1"): match it written out
         try:
             methods.setdefault(canonical(k), methods[k])
-        except ValueError:
-            pass
+        except ValueError as e:
+            raise ValueError(f"the config names {k!r}, which is no method spec: {e}") from None
     # a local-step method falls back on the every-step method of its inner optimizer
-    keys = [method, canonical(method)] + [k for k in (twin(method),) if k]
-    for key in keys:
+    for key in [method, canonical(method)] + [k for k in (twin(method),) if k]:
         if key in methods:
+            if key == twin(method):
+                near = sorted(k for k in methods if k.split(":")[0] == method.split(":")[0] and k != key)
+                if near:
+                    warnings.warn(f"{method!r} is not in the config; it takes {key!r}'s lr, though the config names "
+                                  f"{', '.join(near)}", stacklevel=2)
             c = methods[key]
             return {"lr": c["lr"], "weight_decay": c["weight_decay"]}
     return dict(DEFAULTS[task][family(method)])
