@@ -594,6 +594,8 @@ def test_the_readme_panel_draws_the_vote_the_defaults_rule_and_diloco_only():
             rec("diloco_lion_bf16:100:outer_lr=1.4", 0, 1e-4),
             rec("dlocal_mavo:8:alpha=0.83:vote=avg:mr=1", 0, 3e-3),
             rec("dlocal_mavo:8:alpha=0.83:vote=avg:mr=1", 0, 1e-3),
+            rec("dlocal_mavo:16:alpha=0.83:vote=avg:mr=1", 0, 1e-3),
+            rec("dlocal_mavo:16:alpha=0.83:vote=avg:mr=1", 0, 8e-4),
             rec("diloco_adamw:10", 0, 3e-3), rec("diloco_adamw:10:outer_lr=0.5", 0, 4e-3),
             rec("diloco_adamw:10:outer_lr=0.5", 0, 3e-3), rec("diloco_adamw_bf16:50", 0, 6e-3),
             rec("diloco_adamw_bf16:25", 0, 6e-3), rec("diloco_adamw_bf16:25:outer_lr=0.5", 0, 4e-3),
@@ -606,7 +608,7 @@ def test_the_readme_panel_draws_the_vote_the_defaults_rule_and_diloco_only():
             rec("diloco_adamw_bf16:10:outer_lr=0.5", 0, 4e-3), rec("diloco_adamw_bf16:10", 0, 6e-3)]
     rows = summary_rows(runs)
     # the defaults' rule at the defaults' lr, and one curve through the lr the held-out seed chose at each H
-    # (6e-4 at H = 32, 3e-3 at H = 8, 6e-3 at H = 2), not at 2e-4, 1e-3 or 4e-3; DiLoCo with AdamW at its published
+    # (6e-4 at H = 32, 1e-3 at H = 16, 3e-3 at H = 8, 6e-3 at H = 2), not at 2e-4, 1e-3 at H = 8, 8e-4 at H = 16 or 4e-3; DiLoCo with AdamW at its published
     # settings, and one curve through its held-out picks (fp32 and bf16 at H = 10 with outer lr 0.5 and lr 4e-3 (not
     # bf16 at 6e-3 with 0.7), bf16 at H = 25, 32, 50 and 250 at 6e-3 with outer lr 0.7 (not at H = 25 with 4e-3 and 0.5, nor at H = 250 with 3e-3), at
     # H = 100 at 6e-3 with outer lr 1.0 (not with 0.7, nor at G-AdamW's 3e-3: that run is the published-settings
@@ -617,7 +619,8 @@ def test_the_readme_panel_draws_the_vote_the_defaults_rule_and_diloco_only():
                                 ("dlocal_mavo:alpha=0.83:vote=avg:mr=1", 3e-4, 0.1), held,
                                 ("diloco_adamw", 3e-3, 0.1), held_diloco,
                                 ("diloco_adamw_bf16", 3e-3, 0.1)]
-    assert sorted((r["H"], r["lr"]) for r in line_points(rows, held)) == [(2, 6e-3), (8, 3e-3), (32, 6e-4)]
+    assert sorted((r["H"], r["lr"]) for r in line_points(rows, held)) == [(2, 6e-3), (8, 3e-3), (16, 1e-3),
+                                                                          (32, 6e-4)]
     assert sorted((r["method"], r["lr"]) for r in line_points(rows, held_diloco)) == [
         ("diloco_adamw:10:outer_lr=0.5", 4e-3), ("diloco_adamw_bf16:100:outer_lr=1", 6e-3),
         ("diloco_adamw_bf16:10:outer_lr=0.5", 4e-3),
