@@ -9,22 +9,27 @@ set -e
 #       --sync-every 25 --outer-scale 0.83 --reset-momentum --fragments 3 --bucket-mb 1.5 --steps 100 --warmup 3 --fused \
 #       --no-progress --out docs/results/e2e-local-x16-avg-st-h25-f3-rates
 #   (the 4x host: --link 12500kbit,25mbit,250mbit --queue 200ms ... --out docs/results/e2e-local-x4-avg-st-h25-f3-rates)
+#
+# LR (default 3e-4) picks the curves' lr; another lr writes its rows under names ending -lrLR and is moved beside
+# EXTRA_ROWS too (rule part 16 at 4e-4: compose_f3_rates_lr4e-4.sh).
 cd "$(dirname "$0")/../../.."
 P=${PYTHON:-python}
-RUNS=docs/results/ttq-heldout/dlocal-avg-st-h25-f3-a0.83-reset-applied-w0.1-lr3e-4-seed
+LR=${LR:-3e-4}
+SUF=$([ "$LR" = 3e-4 ] || echo "-lr$LR")
+RUNS=docs/results/ttq-heldout/dlocal-avg-st-h25-f3-a0.83-reset-applied-w0.1-lr$LR-seed
 . docs/results/ttq-heldout-x16/compose_common.sh
 for HOST in ${HOSTS:-x16 x4}; do
 host $HOST; OWN=docs/results/e2e-local-$HOST-avg-st-h25-f3-rates/e2e_results.json
 for T in 2.1 2.2; do
   target $HOST $T
-  compose_seeds $RUNS $OWN $T dlocal-avg-st-h25-f3-rates avg-st-h25-f3-rates
+  compose_seeds $RUNS $OWN $T dlocal-avg-st-h25-f3-rates$SUF avg-st-h25-f3-rates$SUF
   ROWS=""   # every row already moved onto the others' compute-only step, for this host and target
   for NAME in diloco-bf16-h100 diloco-bf16-h100-olr1.0 diloco-bf16-h50 avg-h32-reset avg-h32-reset-lr6e-4 avg-h25-reset \
-              avg-h50-reset avg-st-h25-d11 avg-st-h25-d3 avg-st-h25-f3-ra; do
+              avg-h50-reset avg-st-h25-d11 avg-st-h25-d3 avg-st-h25-f3-ra ${EXTRA_ROWS:-}; do
     [ -f $O/seeds-$NAME/rebased.json ] && ROWS="$ROWS $O/seeds-$NAME/rebased.json"
   done
-  $P scripts/ttq_rebase_compute.py --steps-json $O/seeds-avg-st-h25-f3-rates/ttq_seeds.json \
+  $P scripts/ttq_rebase_compute.py --steps-json $O/seeds-avg-st-h25-f3-rates$SUF/ttq_seeds.json \
       --method "d-local-avg-st|fragments=3|reset_momentum" --e2e-method d-local-avg-st --own $OWN --ref $REF --speedup $S \
-      --raw-links $LINKS --others $OTHERS --rebased-others $ROWS --out $O/seeds-avg-st-h25-f3-rates/rebased.json > /dev/null
+      --raw-links $LINKS --others $OTHERS --rebased-others $ROWS --out $O/seeds-avg-st-h25-f3-rates$SUF/rebased.json > /dev/null
 done
 done
