@@ -608,7 +608,8 @@ def test_the_readme_panel_draws_the_vote_the_defaults_rule_and_diloco_only():
             rec("diloco_adamw_bf16:10:outer_lr=0.5", 0, 4e-3), rec("diloco_adamw_bf16:10", 0, 6e-3)]
     rows = summary_rows(runs)
     # the defaults' rule at the defaults' lr, and one curve through the lr the held-out seed chose at each H
-    # (6e-4 at H = 32, 1e-3 at H = 16, 3e-3 at H = 8, 6e-3 at H = 2), not at 2e-4, 1e-3 at H = 8, 8e-4 at H = 16 or 4e-3; DiLoCo with AdamW at its published
+    # (6e-4 at H = 32, 1e-3 at H = 16, 3e-3 at H = 8, 6e-3 at H = 2), not at 2e-4, 1e-3 at H = 8, 8e-4 at H = 16
+    # or 4e-3; DiLoCo with AdamW at its published
     # settings, and one curve through its held-out picks (fp32 and bf16 at H = 10 with outer lr 0.5 and lr 4e-3 (not
     # bf16 at 6e-3 with 0.7), bf16 at H = 25, 32, 50 and 250 at 6e-3 with outer lr 0.7 (not at H = 25 with 4e-3 and 0.5, nor at H = 250 with 3e-3), at
     # H = 100 at 6e-3 with outer lr 1.0 (not with 0.7, nor at G-AdamW's 3e-3: that run is the published-settings
