@@ -135,6 +135,10 @@ def vote_round(anchor: Sequence[Tensor], workers: Sequence[Tensor], errors: Opti
         x.copy_(a.unsqueeze(0).expand_as(x))
 
 
+#: the lab's votes on the progress's value rather than its sign (:func:`count_round`)
+VALUE_VOTES = ("mean", "count")
+
+
 def packed_bits(levels: int, word: int = 64) -> float:
     """Bits per value when values of ``levels`` levels are packed base-``levels`` into ``word``-bit
     words (as trits go 5 to a byte): word / ⌊word / log2 levels⌋."""
@@ -159,9 +163,7 @@ def count_round(anchor: Sequence[Tensor], workers: Sequence[Tensor], errors: Opt
         if exact:
             step = d.mean(0)
         else:
-            e = errors[k] if errors is not None else d
-            if errors is not None:
-                e.add_(d)
+            e = d if errors is None else errors[k].add_(d)
             q = torch.round(e / u).clamp_(-H, H)
             if errors is not None:
                 e.sub_(q * u)
@@ -326,9 +328,9 @@ class LocalVote(LocalMethod):
             self.pending: Optional[tuple] = None  # (Δ per parameter index, α·S, the parameter indices)
             self.pending_step = 0
         self.momentum_reset = bool(momentum_reset)
-        if vote not in ("mavo", "avg", "mean", "count"):
+        if vote not in ("mavo", "avg") + VALUE_VOTES:
             raise ValueError(f"vote must be 'mavo', 'avg', 'mean' or 'count', got {vote!r}")
-        if vote in ("mean", "count") and (streaming or outer_betas[0] > 0 or error_scale or abstain_below
+        if vote in VALUE_VOTES and (streaming or outer_betas[0] > 0 or error_scale or abstain_below
                                           or inner != "lion"):
             raise ValueError(f"vote={vote!r} takes no streaming, outer-step experiments, abstain_below "
                              "or AdamW inner")
@@ -421,7 +423,7 @@ class LocalVote(LocalMethod):
                 self.inner.state[self.workers[j]]["exp_avg"].zero_()
 
     def sync(self) -> None:
-        if self.vote in ("mean", "count"):
+        if self.vote in VALUE_VOTES:
             count_round(self.params, self.workers, self.errors, self.round_lr_sum, self.round_steps, self.alpha,
                         exact=self.vote == "mean")
             self._zero_momenta(range(len(self.workers)))

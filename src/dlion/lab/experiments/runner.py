@@ -173,7 +173,7 @@ def local_options(spec: str) -> dict:
                 raise ValueError(f"ties must be zero or random, got {spec!r}")
             out[key] = value
         elif key == "vote":
-            if value not in ("mavo", "avg", "mean", "count"):
+            if value not in ("mavo", "avg") + L.VALUE_VOTES:
                 raise ValueError(f"vote must be mavo, avg, mean or count, got {spec!r}")
             out[key] = value
         elif key == "inner":
@@ -340,7 +340,7 @@ def label(spec: str, legacy: bool = False) -> str:
             text += ", step mean|e|"
         if opts.get("vote", "mavo") == "avg":
             text = text.replace("MaVo", "Avg")
-        elif opts.get("vote", "mavo") in ("mean", "count"):
+        elif opts.get("vote", "mavo") in L.VALUE_VOTES:
             text = text.replace("MaVo", {"mean": "mean (fp32)", "count": "count vote"}[opts["vote"]])
         if opts.get("inner", "lion") == "adamw":
             text = text.replace("D-Local", "D-Local (AdamW inner)")
