@@ -31,7 +31,7 @@ def test_time_to_target_matches_the_committed_seed_summaries(doc):
                  "d-local-avg": "ttq-heldout-x16/seeds-avg-h50-reset/ttq_seeds.json",
                  "d-local-avg-h25": "ttq-heldout-x16/seeds-avg-h25-reset/ttq_seeds.json",
                  "d-local-avg-h32": "ttq-heldout-x16/seeds-avg-h32-reset/ttq_seeds.json",
-                 "d-local-avg-st": "ttq-heldout-x16/seeds-avg-st-h25-f3-ra/ttq_seeds.json",
+                 "d-local-avg-st": "ttq-heldout-x16/seeds-avg-st-h25-f3-rates-lr4e-4/ttq_seeds.json",
                  "diloco-adamw-bf16": "ttq-heldout-x16/seeds-diloco-bf16-h100-olr1.0/ttq_seeds.json"}
     for p in doc["panels"]:
         for row in p["methods"]:
@@ -74,7 +74,8 @@ def test_the_lead_and_the_loss_read_in_the_readme(doc):
     assert sorted(x16["diloco-adamw-bf16"]["steps"]) == [800, 800, 900, 900, 900]
     assert max(h25["steps"]) <= min(x16["diloco-adamw-bf16"]["steps"])
     assert h25["max_s"] < x16["diloco-adamw-bf16"]["min_s"]
-    # streamed in 3 fragments (its own e2e run, the step at compute-only): all five, each sooner than any H = 25 seed
+    # streamed in 3 fragments at lr 4e-4 (rule part 16; its own e2e run, part 12's, the step at compute-only): all five,
+    # each sooner than any H = 25 seed
     st = x16["d-local-avg-st"]
     assert (st["seeds_reaching"], st["seeds_run"]) == (5, 5)
     assert st["max_s"] < h25["min_s"]

@@ -10,8 +10,9 @@ set -e
 #       --no-progress --out docs/results/e2e-local-x16-avg-st-h25-f3-rates
 #   (the 4x host: --link 12500kbit,25mbit,250mbit --queue 200ms ... --out docs/results/e2e-local-x4-avg-st-h25-f3-rates)
 #
-# LR (default 3e-4) picks the curves' lr; another lr writes its rows under names ending -lrLR and is moved beside
-# EXTRA_ROWS too (rule part 16 at 4e-4: compose_f3_rates_lr4e-4.sh).
+# LR (default 3e-4) picks the curves' lr; another lr writes its rows under names ending -lrLR. ROW_NAMES replaces the
+# rows it is moved beside, and PEERS, where given, also writes rebased-vs-peers.json beside those rows alone (rule part
+# 16 at 4e-4: compose_f3_rates_lr4e-4.sh).
 cd "$(dirname "$0")/../../.."
 P=${PYTHON:-python}
 LR=${LR:-3e-4}
@@ -23,13 +24,14 @@ host $HOST; OWN=docs/results/e2e-local-$HOST-avg-st-h25-f3-rates/e2e_results.jso
 for T in 2.1 2.2; do
   target $HOST $T
   compose_seeds $RUNS $OWN $T dlocal-avg-st-h25-f3-rates$SUF avg-st-h25-f3-rates$SUF
-  ROWS=""   # every row already moved onto the others' compute-only step, for this host and target
-  for NAME in diloco-bf16-h100 diloco-bf16-h100-olr1.0 diloco-bf16-h50 avg-h32-reset avg-h32-reset-lr6e-4 avg-h25-reset \
-              avg-h50-reset avg-st-h25-d11 avg-st-h25-d3 avg-st-h25-f3-ra ${EXTRA_ROWS:-}; do
-    [ -f $O/seeds-$NAME/rebased.json ] && ROWS="$ROWS $O/seeds-$NAME/rebased.json"
+  rows() { R=""; for NAME in "$@"; do [ -f $O/seeds-$NAME/rebased.json ] && R="$R $O/seeds-$NAME/rebased.json"; done; echo $R; }
+  for VS in rebased ${PEERS:+rebased-vs-peers}; do
+    if [ $VS = rebased ]; then ROWS=$(rows ${ROW_NAMES:-diloco-bf16-h100 diloco-bf16-h100-olr1.0 diloco-bf16-h50 avg-h32-reset \
+                                          avg-h32-reset-lr6e-4 avg-h25-reset avg-h50-reset avg-st-h25-d11 avg-st-h25-d3 avg-st-h25-f3-ra})
+    else ROWS=$(rows $PEERS); fi   # each: rows already moved onto the others' compute-only step, for this host and target
+    $P scripts/ttq_rebase_compute.py --steps-json $O/seeds-avg-st-h25-f3-rates$SUF/ttq_seeds.json \
+        --method "d-local-avg-st|fragments=3|reset_momentum" --e2e-method d-local-avg-st --own $OWN --ref $REF --speedup $S \
+        --raw-links $LINKS --others $OTHERS --rebased-others $ROWS --out $O/seeds-avg-st-h25-f3-rates$SUF/$VS.json > /dev/null
   done
-  $P scripts/ttq_rebase_compute.py --steps-json $O/seeds-avg-st-h25-f3-rates$SUF/ttq_seeds.json \
-      --method "d-local-avg-st|fragments=3|reset_momentum" --e2e-method d-local-avg-st --own $OWN --ref $REF --speedup $S \
-      --raw-links $LINKS --others $OTHERS --rebased-others $ROWS --out $O/seeds-avg-st-h25-f3-rates$SUF/rebased.json > /dev/null
 done
 done
