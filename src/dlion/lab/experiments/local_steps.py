@@ -16,7 +16,8 @@ optimizers, one per worker, with their states kept across rounds.
 
 ``dlocal_mavo:H``  local steps of plain Lion, then a 1-bit majority vote on the
     displacements (:class:`LocalVote`).
-``diloco_adamw:H``, ``diloco_lion:H`` (``_bf16``: pseudo-gradients sent in bf16)
+``diloco_adamw:H``, ``diloco_lion:H`` (``_bf16``: pseudo-gradients sent in bf16;
+    ``:wire=fp8`` / ``:wire=fp4``: a quantised all-reduce, :func:`quantize_rows`)
     DiLoCo (Douillard et al. 2023, arXiv 2311.08105) as ``torchft.local_sgd.DiLoCo``
     runs it: H inner steps, then the mean pseudo-gradient A − x_i steps the anchor
     with an outer SGD with Nesterov momentum (:class:`DiLoCo`).
@@ -40,7 +41,8 @@ from dlion.vote import VoteRule
 
 from .baselines import TRIT_BITS, BitCounter, alltoall_bits, ring_allreduce_bits
 
-__all__ = ["LocalMethod", "LocalVote", "DiLoCo", "vote_round", "local_vote_bits", "diloco_bits"]
+__all__ = ["LocalMethod", "LocalVote", "DiLoCo", "vote_round", "local_vote_bits", "diloco_bits", "quantize_rows",
+           "WIRE_BITS"]
 
 
 def local_vote_bits(world_size: int, H: float, ties: str = "zero") -> float:
@@ -60,6 +62,40 @@ def diloco_bits(world_size: int, H: float, bits: int = 32) -> float:
     """Bits one rank sends per parameter per step for DiLoCo: a ring all-reduce of the
     pseudo-gradient, 2·(N−1)/N · ``bits`` (32, or 16 for bf16) per sync, / H."""
     return ring_allreduce_bits(1.0, bits, world_size) / H
+
+
+#: bits per value of DiLoCo's wire formats; fp8 and fp4 add one fp32 scale per row (:func:`quantize_rows`)
+WIRE_BITS = {"fp32": 32, "bf16": 16, "fp8": 8, "fp4": 4}
+_FP8_MAX = 448.0  # the largest float8_e4m3fn
+_E3M0_LOW = -6    # fp4 E3M0: sign, 3 exponent bits, no mantissa: 0 and 2^-6 … 2^0 (times the row's scale)
+
+
+def quantize_rows(d: Tensor, wire: str) -> Tensor:
+    """``d`` as it arrives after a trip in ``wire`` format, in fp32: one fp32 scale per row (the
+    last dimension; a 0-d or 1-d tensor is one row), the absmax of the row.
+
+    ``fp8``: float8 E4M3 of d·448/scale (round to nearest even, ``torch.float8_e4m3fn``), the row-wise
+    scaling of torchft's quantised all-reduce (its ``should_quantize``). ``fp4``: E3M0, the 4-bit
+    float of Streaming DiLoCo (arXiv 2501.18512): |d|/scale rounded to the nearest of 0, 2^-6, …,
+    2^-1, 1 (ties away from zero), the sign kept. ``fp32``: d unchanged; ``bf16``: rounded to bf16."""
+    if wire == "fp32":
+        return d.float()
+    if wire == "bf16":
+        return d.to(torch.bfloat16).float()
+    if wire not in ("fp8", "fp4"):
+        raise ValueError(f"wire must be one of {', '.join(WIRE_BITS)}, got {wire!r}")
+    rows = d.float().reshape(-1, d.shape[-1]) if d.dim() > 1 else d.float().reshape(1, -1)
+    scale = rows.abs().amax(dim=1, keepdim=True)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    if wire == "fp8":
+        q = (rows * (_FP8_MAX / safe)).to(torch.float8_e4m3fn).float() * (safe / _FP8_MAX)
+    else:
+        m = rows.abs() / safe  # in [0, 1]
+        lower = torch.exp2(torch.floor(torch.log2(m.clamp(min=2.0 ** _E3M0_LOW))))  # 2^k <= m (or 2^-6)
+        level = torch.where(m >= 1.5 * lower, 2 * lower, lower).clamp(max=1.0)     # the nearer of 2^k, 2^(k+1)
+        level = torch.where(m >= 2.0 ** (_E3M0_LOW - 1), level, torch.zeros_like(level))  # below 2^-7: 0
+        q = torch.sign(rows) * level * safe
+    return q.reshape(d.shape)
 
 
 def _kept(c: Tensor, threshold: float) -> Tensor:
@@ -478,32 +514,43 @@ class DiLoCo(LocalMethod):
     rounded values are summed in fp32 and divided by N (a real bf16 ring all-reduce
     would also round its partial sums).
 
+    ``wire="fp8"`` / ``"fp4"``: torchft's quantised all-reduce, whose partial sums are not
+    rounded: each rank quantises d_i row-wise (:func:`quantize_rows`), an all-to-all gives
+    each rank its 1/N of the rows from every rank, it sums them in fp32 and divides by N,
+    quantises that mean again, and an all-gather returns it: mean = Q(Σ_i Q(d_i) / N).
+
     Bits one rank sends per parameter per step (:func:`diloco_bits`): a ring all-reduce,
-    2·(N−1)/N · 32 (or 16) per sync, / H."""
+    2·(N−1)/N · 32 (or 16) per sync, / H; quantised, the all-to-all and the all-gather send
+    the same 2·(N−1)/N · (8 or 4) per value, plus 2·(N−1)/N · 32 per row for the scales."""
 
     def __init__(self, params, world_size, H, hp, betas, seed, total_steps, *, inner: str, bf16: bool = False,
-                 outer_lr: float = 0.7, outer_momentum: float = 0.9):
+                 outer_lr: float = 0.7, outer_momentum: float = 0.9, wire: Optional[str] = None):
         super().__init__(params, world_size, H, hp, betas, inner, total_steps)
-        self.bf16 = bool(bf16)
+        if wire is not None and (bf16 or wire not in WIRE_BITS):
+            raise ValueError(f"wire must be one of {', '.join(WIRE_BITS)} (and not with bf16), got {wire!r}")
+        self.wire = wire or ("bf16" if bf16 else "fp32")
+        self.bf16 = self.wire == "bf16"
+        self.rows = sum(p[0].numel() // p.shape[-1] if p.dim() > 1 else 1 for p in self.workers)
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
         self.outer = torch.optim.SGD(self.params, lr=outer_lr, momentum=outer_momentum,
                                      nesterov=outer_momentum > 0)
 
     def sync(self) -> None:
+        quantised = self.wire in ("fp8", "fp4")
         for a, x in zip(self.params, self.workers):
             d = a.detach().unsqueeze(0) - x
-            if self.bf16:
-                d = d.to(torch.bfloat16).float()
-            a.grad = d.sum(0).div_(self.world_size).to(a.dtype)
+            mean = torch.stack([quantize_rows(di, self.wire) for di in d]).sum(0).div_(self.world_size)
+            a.grad = (quantize_rows(mean, self.wire) if quantised else mean).to(a.dtype)
         self.outer.step()
         for a, x in zip(self.params, self.workers):
             a.grad = None
             x.copy_(a.detach().unsqueeze(0).expand_as(x))
         d, N = self.bits_counter.num_params, self.world_size
-        b = 16 if self.bf16 else 32
-        self.bits_counter.add(f"all_reduce {'bf16' if self.bf16 else 'fp32'}", ring_allreduce_bits(d, b, N))
+        self.bits_counter.add(f"all_reduce {self.wire}", ring_allreduce_bits(d, WIRE_BITS[self.wire], N))
+        if quantised:
+            self.bits_counter.add("all_reduce scales", ring_allreduce_bits(self.rows, 32, N))
 
     def record(self) -> dict:
         return dict(super().record(), outer_lr=self.outer_lr, outer_momentum=self.outer_momentum,
-                    outer_nesterov=self.outer_momentum > 0, pseudo_gradient_dtype="bf16" if self.bf16 else "fp32")
+                    outer_nesterov=self.outer_momentum > 0, pseudo_gradient_dtype=self.wire)
 

@@ -59,10 +59,12 @@ base                    round (H local steps, then)                             
                         decay, instead of Lion's; an experiment: S is then AdamW's lr
                         summed, ``esc=1`` scales the step by the progress itself)
 ``diloco_adamw``        local AdamW; fp32 mean pseudo-gradient → outer Nesterov SGD        ``outer_lr`` (0.7),
-                                                                                           ``outer_momentum`` (0.9)
+                        (``wire=fp8|fp4``: torchft's quantised all-reduce, row-wise        ``outer_momentum`` (0.9),
+                        scales, fp8 E4M3 or Streaming DiLoCo's fp4 E3M0;                  ``wire`` (fp32)
+                        :func:`.local_steps.quantize_rows`)
 ``diloco_lion``         local Lion; the same outer step                                   as above
-``diloco_adamw_bf16``   as ``diloco_adamw``, pseudo-gradients sent in bf16                 as above
-``diloco_lion_bf16``    as ``diloco_lion``, pseudo-gradients sent in bf16                  as above
+``diloco_adamw_bf16``   as ``diloco_adamw``, pseudo-gradients sent in bf16                 ``outer_lr``, ``outer_momentum``
+``diloco_lion_bf16``    as ``diloco_lion``, pseudo-gradients sent in bf16                  ``outer_lr``, ``outer_momentum``
 ======================  ================================================================  ==============================
 
 Their learning rate and weight decay, when a config does not name the spec, are those
@@ -120,7 +122,8 @@ LOCAL_OPTIONS = {"dlocal_mavo": {"alpha": 1.0, "ef": 1, "ties": "zero", "ob1": 0
                                  "esc": 0, "osoft": 0, "vote": "mavo", "sw": 0, "h0": 1, "mr": 0,
                                  "st": 0, "fr": 1, "bmb": 25.0, "sd": -1, "kd": 1.0, "rs": 0, "mix": 0.0, "ra": 0,
                                  "inner": "lion"},
-                 **{b: {"outer_lr": 0.7, "outer_momentum": 0.9} for b in LOCAL_METHODS if b.startswith("diloco")}}
+                 **{b: {"outer_lr": 0.7, "outer_momentum": 0.9, **({} if b.endswith("_bf16") else {"wire": "fp32"})}
+                    for b in LOCAL_METHODS if b.startswith("diloco")}}
 # the every-step method whose tuned lr / weight decay a local-step method takes by default
 LOCAL_TWIN = {"dlocal_mavo": "glion", "diloco_adamw": "gadamw", "diloco_adamw_bf16": "gadamw",
               "diloco_lion": "glion", "diloco_lion_bf16": "glion"}
@@ -175,6 +178,10 @@ def local_options(spec: str) -> dict:
         elif key == "vote":
             if value not in ("mavo", "avg") + L.VALUE_VOTES:
                 raise ValueError(f"vote must be mavo, avg, mean or count, got {spec!r}")
+            out[key] = value
+        elif key == "wire":
+            if value not in ("fp32", "fp8", "fp4"):
+                raise ValueError(f"wire must be fp32, fp8 or fp4 (bf16: the _bf16 method), got {spec!r}")
             out[key] = value
         elif key == "inner":
             if value not in ("lion", "adamw"):
@@ -549,7 +556,7 @@ def make_method(spec, params, world_size, hp, task_name, seed, total_steps):
                                reset_at_apply=bool(o["ra"]), inner=o["inner"])
         return L.DiLoCo(params, world_size, o["H"], hp, betas, seed, total_steps,
                         inner="adamw" if "adamw" in name else "lion", bf16=name.endswith("_bf16"),
-                        outer_lr=o["outer_lr"], outer_momentum=o["outer_momentum"])
+                        outer_lr=o["outer_lr"], outer_momentum=o["outer_momentum"], wire=o.get("wire"))
     if name.startswith(("dlion", "lioncub")):
         return SimMethod(spec, params, world_size, hp, betas, seed)
     return GlobalMethod(spec, params, world_size, hp, betas, seed, total_steps)
