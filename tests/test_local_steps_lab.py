@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dlion.lab.experiments.local_steps import (DiLoCo, LocalVote, count_round, diloco_bits, local_vote_bits,
-                                              vote_round)
+                                              quantize_rows, vote_round)
 from dlion.lab.experiments.runner import (BETAS, canonical, family, hparams_for, label, local_options, make_method,
                                           parse_method, run_one)
 from dlion.lab.experiments.tasks import make_task
@@ -295,6 +295,54 @@ def test_diloco_outer_step_is_nesterov_sgd_on_the_mean_pseudo_gradient():
         assert A[0].item() == want, bf16
 
 
+def test_fp4_is_e3m0_rowwise_nearest_by_hand():
+    # row 0: scale 2 (its absmax); |d|/2 = 1, 0.35, 0.38, 0.2, 0.0075, 0.008, 0 -> nearest of 0, 2^-6 … 2^0:
+    # 1; 0.25 (0.35 < 0.375, the midpoint of 0.25 and 0.5); 0.5; 0.25 (0.2 > 0.1875); 0 (0.0075 < 2^-7 = 0.0078125);
+    # 2^-6 (0.008 > 2^-7); 0
+    d = torch.tensor([[-2.0, 0.7, -0.76, 0.4, 0.015, 0.016, 0.0],
+                      [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],       # an all-zero row stays zero (no 0/0)
+                      [0.3, -0.3, 0.1, 0.0, 0.0, 0.0, 0.0]])     # its own scale: 0.3 -> ±0.3, 0.1/0.3 -> 0.25
+    want = torch.tensor([[-2.0, 0.5, -1.0, 0.5, 0.0, 2.0 * 2 ** -6, 0.0],
+                         [0.0] * 7,
+                         [0.3, -0.3, 0.3 * 0.25, 0.0, 0.0, 0.0, 0.0]])
+    assert torch.equal(quantize_rows(d, "fp4"), want)
+    # a 1-d tensor is one row; fp32 is unchanged, bf16 rounded
+    assert torch.equal(quantize_rows(torch.tensor([4.0, 1.0, -1.4]), "fp4"), torch.tensor([4.0, 1.0, -1.0]))
+    x = torch.tensor([1 + 2 ** -10, 3.0])
+    assert torch.equal(quantize_rows(x, "fp32"), x) and quantize_rows(x, "bf16").tolist() == [1.0, 3.0]
+    with pytest.raises(ValueError, match="wire"):
+        quantize_rows(x, "int8")
+
+
+def test_fp8_is_e4m3_of_the_row_scaled_to_448():
+    # scale 448/absmax: a row whose absmax is 448 is cast as it is; E4M3 has 3 mantissa bits, so 1 + 2^-4 -> 1
+    # (ties to even) and 1 + 3·2^-4 -> 1.25; 448 and −448 are exact
+    d = torch.tensor([[448.0, -448.0, 1 + 2 ** -4, 1 + 3 * 2 ** -4, 0.0]])
+    assert quantize_rows(d, "fp8").tolist() == [[448.0, -448.0, 1.0, 1.25, 0.0]]
+    # scaled: row absmax 7 -> every value × 64 (448/7) then back
+    d = torch.tensor([[7.0, 1.0, -0.5]])
+    assert quantize_rows(d, "fp8").tolist() == [[7.0, 1.0, -0.5]]  # 448, 64, −32: exact in E4M3
+
+
+def test_quantised_diloco_is_torchfts_quantised_all_reduce_by_hand():
+    # N = 2, H = 1, outer lr 1, no momentum: A ← A − Q(Q(d_0)/2 + Q(d_1)/2), Q fp4 row-wise (one row here)
+    A = [torch.zeros(4)]
+    m = DiLoCo(A, 2, 1, {"lr": 0.5, "weight_decay": 0.0}, BETAS["charlm"], 0, 10, inner="adamw",
+               outer_lr=1.0, outer_momentum=0.0, wire="fp4")
+    m.workers[0].copy_(torch.tensor([[-1.0, -0.3, 0.0, 0.2], [-0.5, 0.0, 0.4, -0.2]]))  # d_i = A − x_i
+    m.sync()
+    # d_0 = [1, 0.3, 0, −0.2], d_1 = [0.5, 0, −0.4, 0.2]; Q(d_0) = [1, 0.25, 0, −0.25] (scale 1: 0.3 and 0.2 -> 0.25);
+    # Q(d_1) = 0.5·Q([1, 0, −0.8, 0.4]) = 0.5·[1, 0, −1, 0.5]; mean = [0.75, 0.125, −0.25, 0]; Q(mean), scale 0.75:
+    # [1, 1/6, −1/3, 0] -> [1, 0.125, −0.25, 0] (1/6 < 0.1875; 1/3 < 0.375) -> [0.75, 0.09375, −0.1875, 0]
+    # (fp32 would step by the exact mean [0.75, 0.15, −0.2, 0])
+    assert A[0].tolist() == [-0.75, -0.09375, 0.1875, 0.0]
+    assert torch.equal(m.workers[0], A[0].expand(2, 4))
+    assert m.record()["pseudo_gradient_dtype"] == "fp4"
+    with pytest.raises(ValueError, match="wire"):
+        DiLoCo([torch.zeros(2)], 2, 1, {"lr": 0.5, "weight_decay": 0.0}, BETAS["charlm"], 0, 10, inner="adamw",
+               bf16=True, wire="fp4")
+
+
 def test_bits_formulas():
     # dlocal_mavo: ((N−1)/N·1 + (N−1)/N·b_down)/H, b_down = 1.6 for even N with zero ties, else 1
     assert local_vote_bits(4, 10) == pytest.approx((0.75 + 0.75 * 1.6) / 10)   # 0.195
@@ -309,6 +357,10 @@ def test_bits_formulas():
     # with abstentions (ab): base-3 digits (8/5 bits) both ways, even with random ties
     for spec, per_sync in (("dlocal_mavo:10", 1.95), ("dlocal_mavo:10:ab=0.5:ties=random", 0.75 * 1.6 * 2),
                            ("diloco_adamw:10", 48.0), ("diloco_lion_bf16:10", 24.0),
+                           # quantised: 2·(3/4)·4 (fp4) or 8 (fp8) per value, and 2·(3/4)·32 per row's scale: the
+                           # (3, 2) tensor has 3 rows, the (5,) one 1, so 4 scales over 11 parameters
+                           ("diloco_adamw:10:wire=fp4", 6.0 + 1.5 * 32 * 4 / 11),
+                           ("diloco_lion:10:wire=fp8", 12.0 + 1.5 * 32 * 4 / 11),
                            # esc: one fp32 per tensor (2 here) ring all-reduced, 2·(3/4)·32·2 bits over 11 parameters
                            ("dlocal_mavo:10:esc=1", 1.95 + 96 / 11),
                            # avg: 1 bit up, the sum of 4 signs back in ⌈log2 5⌉ = 3 bits
@@ -374,10 +426,15 @@ def test_local_specs():
     assert label("dlocal_mavo:5:ef=0") == "D-Local MaVo H=5, no EF"
     assert label("dlocal_mavo:10:ob1=0.5:ob2=0.9:osoft=1:esc=1") == "D-Local MaVo H=10, outer β=(0.5, 0.9) soft, step mean|e|"
     assert label("diloco_adamw_bf16:50") == "DiLoCo (AdamW, bf16) H=50"
+    assert label("diloco_adamw:10:wire=fp4:outer_lr=0.5") == "DiLoCo (AdamW, fp4) H=10, outer lr 0.5"
+    assert canonical("diloco_adamw:10:wire=fp4:outer_lr=0.5") == "diloco_adamw:10:outer_lr=0.5:wire=fp4"
+    assert canonical("diloco_lion:10:wire=fp32") == "diloco_lion:10"
+    assert local_options("diloco_adamw:25:wire=fp8") == {"H": 25, "outer_lr": 0.7, "outer_momentum": 0.9, "wire": "fp8"}
     assert family("diloco_adamw:10") == "adamw" and family("diloco_lion_bf16:10") == "lion"
     for bad in ("dlocal_mavo:0", "dlocal_mavo:1.5", "dlocal_mavo:10:outer_lr=1", "diloco_adamw:10:alpha=1",
                 "dlocal_mavo:10:ef=2", "dlocal_mavo:10:ties=up", "diloco_lion:10:outer_momentum=1",
-                "dlocal_mavo:x", "dlocal_mavo:10:esc=2", "dlocal_mavo:10:vote=sum",
+                "dlocal_mavo:x", "dlocal_mavo:10:esc=2", "dlocal_mavo:10:vote=sum", "diloco_adamw:10:wire=int8",
+                "diloco_adamw_bf16:10:wire=fp4", "dlocal_mavo:10:wire=fp4",
                 "dlocal_mavo:10:sw=-1", "dlocal_mavo:10:sw=2.5", "dlocal_mavo:10:h0=0", "dlocal_mavo:10:fr=0",
                 "dlocal_mavo:10:st=2", "dlocal_mavo:10:bmb=0"):
         with pytest.raises(ValueError):

@@ -332,6 +332,8 @@ def label(spec: str, legacy: bool = False) -> str:
     text = LABELS[base]
     if base in LOCAL_METHODS:
         opts = local_options(spec)
+        if opts.get("wire", "fp32") != "fp32":  # "DiLoCo (AdamW)" -> "DiLoCo (AdamW, fp4)", as the _bf16 methods
+            text = text[:-1] + f", {opts['wire']})"
         text += f" H={arg}"
         if opts.get("alpha", 1.0) != 1.0:
             text += f", α={opts['alpha']:g}"
