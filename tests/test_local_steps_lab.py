@@ -662,7 +662,9 @@ def test_the_readme_panel_draws_the_vote_the_defaults_rule_and_diloco_only():
             rec("diloco_adamw_bf16:100:outer_lr=1", 0, 6e-3), rec("diloco_adamw_bf16:100", 0, 6e-3),
             rec("diloco_adamw_bf16:250", 0, 6e-3), rec("diloco_adamw_bf16:250", 0, 3e-3),
             rec("diloco_adamw_bf16:500:outer_lr=1", 0, 3e-3), rec("diloco_adamw_bf16:500:outer_lr=1.4", 0, 3e-3),
-            rec("diloco_adamw_bf16:10:outer_lr=0.5", 0, 4e-3), rec("diloco_adamw_bf16:10", 0, 6e-3)]
+            rec("diloco_adamw_bf16:10:outer_lr=0.5", 0, 4e-3), rec("diloco_adamw_bf16:10", 0, 6e-3),
+            rec("diloco_adamw:25:wire=fp4", 0, 6e-3), rec("diloco_adamw:25:wire=fp4", 0, 3e-3),
+            rec("diloco_adamw:10:outer_lr=0.5:wire=fp4", 0, 4e-3)]
     rows = summary_rows(runs)
     # the defaults' rule at the defaults' lr, and one curve through the lr the held-out seed chose at each H
     # (6e-4 at H = 32, 1e-3 at H = 16, 3e-3 at H = 8, 6e-3 at H = 2), not at 2e-4, 1e-3 at H = 8, 8e-4 at H = 16
@@ -673,10 +675,11 @@ def test_the_readme_panel_draws_the_vote_the_defaults_rule_and_diloco_only():
     # curve's), and at H = 500 at 3e-3 with outer lr 1.0 (not 1.4))
     held = ("dlocal_mavo:alpha=0.83:vote=avg:mr=1", "held-out", 0.1)
     held_diloco = ("diloco_adamw", "held-out", 0.1)
+    held_fp4 = ("diloco_adamw:wire=fp4", "held-out", 0.1)  # DiLoCo's picks carried to the fp4 all-reduce (not at 3e-3)
     assert main_lines(rows) == [("glion", 1e-4, 0.1), ("dlocal_mavo", 1e-4, 0.1),
                                 ("dlocal_mavo:alpha=0.83:vote=avg:mr=1", 3e-4, 0.1), held,
                                 ("diloco_adamw", 3e-3, 0.1), held_diloco,
-                                ("diloco_adamw_bf16", 3e-3, 0.1)]
+                                ("diloco_adamw_bf16", 3e-3, 0.1), held_fp4]
     assert sorted((r["H"], r["lr"]) for r in line_points(rows, held)) == [(2, 6e-3), (8, 3e-3), (16, 1e-3),
                                                                           (32, 6e-4)]
     assert sorted((r["method"], r["lr"]) for r in line_points(rows, held_diloco)) == [
@@ -684,3 +687,5 @@ def test_the_readme_panel_draws_the_vote_the_defaults_rule_and_diloco_only():
         ("diloco_adamw_bf16:10:outer_lr=0.5", 4e-3),
         ("diloco_adamw_bf16:25", 6e-3), ("diloco_adamw_bf16:250", 6e-3), ("diloco_adamw_bf16:32", 6e-3),
         ("diloco_adamw_bf16:50", 6e-3), ("diloco_adamw_bf16:500:outer_lr=1", 3e-3)]
+    assert sorted((r["method"], r["lr"]) for r in line_points(rows, held_fp4)) == [
+        ("diloco_adamw:10:outer_lr=0.5:wire=fp4", 4e-3), ("diloco_adamw:25:wire=fp4", 6e-3)]

@@ -61,7 +61,15 @@ HELD_OUT_PICKS = {
                      "diloco_adamw_bf16:25": 6e-3, "diloco_adamw_bf16:32": 6e-3,
                      "diloco_adamw_bf16:50": 6e-3, "diloco_adamw_bf16:100:outer_lr=1": 6e-3,
                      "diloco_adamw_bf16:250": 6e-3, "diloco_adamw_bf16:500:outer_lr=1": 3e-3},
+    # DiLoCo with the quantised all-reduce (rule_diloco_quantised.txt): the fp32 / bf16 rows' picks, carried
+    "diloco_adamw:wire=fp4": {"diloco_adamw:25:wire=fp4": 6e-3, "diloco_adamw:10:outer_lr=0.5:wire=fp4": 4e-3,
+                              "diloco_adamw:100:outer_lr=1:wire=fp4": 6e-3},
+    "diloco_adamw:wire=fp8": {"diloco_adamw:25:wire=fp8": 6e-3},
 }
+#: the curves of HELD_OUT_PICKS whose picks were carried from another curve's, not searched on their own
+CARRIED = {"diloco_adamw:wire=fp4": "DiLoCo's", "diloco_adamw:wire=fp8": "DiLoCo's"}
+#: colours of the curves drawn apart from their base method's
+LINE_COLORS = {"diloco_adamw:wire=fp4": "#e6550d", "diloco_adamw:wire=fp8": "#fd8d3c"}
 #: the lr of a drawn line that stands for "the held-out pick at each H" (HELD_OUT_PICKS[line])
 HELD_OUT = "held-out"
 #: (line, lr or None for any) drawn in final_vs_bits_main.png, besides the HELD_OUT curves (main_lines adds them)
@@ -139,8 +147,8 @@ def drawn_lines(rows: list[dict], all_variants: bool = True) -> list[tuple]:
 
 
 def _precision(r: dict) -> str:
-    """DiLoCo's all-reduce precision in row ``r``."""
-    return "bf16" if r["method"].split(":", 1)[0].endswith("_bf16") else "fp32"
+    """DiLoCo's all-reduce precision in row ``r``: fp32, bf16, fp8 or fp4."""
+    return "bf16" if r["method"].split(":", 1)[0].endswith("_bf16") else local_options(r["method"])["wire"]
 
 
 def _settings(r: dict) -> str:
@@ -169,14 +177,17 @@ def _draw(ax, rows: list[dict], drawn: list[tuple], min_seeds: int) -> None:
         if lr == HELD_OUT:  # (each point names its settings)
             name = (label(f"{b}:1").split(" H=")[0] if ln == b  # (DiLoCo: fp32 or bf16 per point, named there)
                     else pts[0]["label"].split(" (lr ")[0].replace(f" H={pts[0]['H']}", ""))
-            text = name + " at the held-out pick for each H, H = " + ", ".join(
+            pick = (f"at {CARRIED[ln]} held-out pick for each H, carried" if ln in CARRIED
+                    else "at the held-out pick for each H")
+            text = name + f" {pick}, H = " + ", ".join(
                 str(r["H"]) for r in sorted(pts, key=lambda r: r["H"]))
         elif local:
             text = pts[0]["label"].replace(f" H={pts[0]['H']}", "") + ", H = " + ", ".join(
                 str(r["H"]) for r in sorted(pts, key=lambda r: r["H"]))
         else:
             text = pts[0]["label"] + " (every step)"
-        ax.errorbar(x, y, yerr=err, color=COLORS[b], marker=MARKERS[b], ms=9 if MARKERS[b] == "*" else 6,
+        color = LINE_COLORS.get(ln, COLORS[b])
+        ax.errorbar(x, y, yerr=err, color=color, marker=MARKERS[b], ms=9 if MARKERS[b] == "*" else 6,
                     capsize=3, lw=1.2, ls=style if local and len(pts) > 1 else "none",
                     mfc="none" if ln != b else None, label=text)
         if local:
@@ -194,7 +205,7 @@ def _draw(ax, rows: list[dict], drawn: list[tuple], min_seeds: int) -> None:
                     if _held_out(r) and not picks_on_curves:
                         text += f", {_settings(r)} (held-out choice)"
                 ax.annotate(text, (r["bits"], r["median"]), textcoords="offset points", xytext=xytext, ha=ha,
-                            fontsize=8 if named else 6, color=COLORS[b], fontweight="bold" if named else "normal")
+                            fontsize=8 if named else 6, color=color, fontweight="bold" if named else "normal")
     ref = [r for r in rows if r["method"] == "glion"]
     if ref:
         ax.axhline(ref[0]["median"] * 1.01, color=COLORS["glion"], ls=":", lw=1, label="G-Lion's median + 1 %")

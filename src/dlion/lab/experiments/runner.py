@@ -63,8 +63,8 @@ base                    round (H local steps, then)                             
                         scales, fp8 E4M3 or Streaming DiLoCo's fp4 E3M0;                  ``wire`` (fp32)
                         :func:`.local_steps.quantize_rows`)
 ``diloco_lion``         local Lion; the same outer step                                   as above
-``diloco_adamw_bf16``   as ``diloco_adamw``, pseudo-gradients sent in bf16                 ``outer_lr``, ``outer_momentum``
-``diloco_lion_bf16``    as ``diloco_lion``, pseudo-gradients sent in bf16                  ``outer_lr``, ``outer_momentum``
+``diloco_adamw_bf16``   as ``diloco_adamw``, pseudo-gradients sent in bf16                 as above, no ``wire``
+``diloco_lion_bf16``    as ``diloco_lion``, pseudo-gradients sent in bf16                  as above, no ``wire``
 ======================  ================================================================  ==============================
 
 Their learning rate and weight decay, when a config does not name the spec, are those
