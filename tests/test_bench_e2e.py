@@ -302,6 +302,8 @@ def test_local_group_and_labels():
     assert "d-local-mavo" not in e2e.parse_methods("all") and "d-local-mavo" not in e2e.parse_methods("dlion")
     assert e2e.label("d-local-mavo-st") == "Local D-Lion MaVo 1bit streaming"
     assert e2e.label("diloco-lion-bf16") == "DiLoCo Lion bf16"
+    assert e2e.label("diloco-adamw-fp4-st") == "Streaming DiLoCo AdamW fp4"
+    assert e2e.parse_methods("diloco-adamw-fp8-h100") == ["diloco-adamw-fp8-h100"]
     with pytest.raises(ValueError):
         e2e.parse_methods("d-local-mavo-ms10")  # (momentum sync is for every-step D-Lion)
 

@@ -10,6 +10,7 @@ from torch import nn
 
 import dlion
 from dlion.lab import diloco as ld
+from dlion.lab.float_wire import roundtrip
 from dlion.lab.spawn import spawn
 
 H, ROUNDS = 3, 2
@@ -294,14 +295,14 @@ def test_streaming_matches_torchft_with_fragments_delay_and_mixing(fragments, de
         assert not any(torch.equal(a, p0) for a, p0 in zip(got[r][-1], initial))  # (it moved)
 
 
-def _streaming_literal_worker(rank, world, wire, delay, alpha):
+def _streaming_literal_worker(rank, world, wire, delay, alpha, quant=None):
     """The lab's Streaming DiLoCo on real Gloo ranks (2 fragments, H = 4: one fragment's round ends every
     2 steps, its exchange started τ steps before), and the algorithm written out here: the parameters
     after every step, both ways; θ after the run; the bytes the lab counted."""
     h, p_frag, steps = 4, 2, 12
     m_lab, m_ref = _two_layers(), _two_layers()
     lab = ld.DiLoCo(m_lab.parameters(), _inner("lion", m_lab), sync_every=h, outer_lr=0.7, wire_dtype=wire,
-                    fragments=p_frag, sync_delay=delay, update_alpha=alpha)
+                    fragments=p_frag, sync_delay=delay, update_alpha=alpha, quantize=quant)
     opt_ref = _inner("lion", m_ref)
     params = list(m_ref.parameters())  # fragment f = parameter f here
     theta = [p.detach().clone() for p in params]
@@ -315,7 +316,14 @@ def _streaming_literal_worker(rank, world, wire, delay, alpha):
         _inner_step(m_ref, opt_ref, x)
         within, f = (step - 1) % (h // p_frag) + 1, ((step - 1) // (h // p_frag)) % p_frag
         with torch.no_grad():
-            if within == h // p_frag - delay:  # start fragment f's exchange
+            if within == h // p_frag - delay and quant:  # start it, quantised: Q((Q(d_0) + … + Q(d_N-1)) / N)
+                every = [torch.empty_like(params[f]) for _ in range(world)]  # (Q row by row: the weight's rows)
+                dist.all_gather(every, (theta[f] - params[f]).contiguous())
+                acc = roundtrip(every[0], quant)
+                for d in every[1:]:
+                    acc = acc + roundtrip(d, quant)
+                sent[f] = roundtrip(acc / world, quant).reshape(-1) * world  # (÷ world below: exact, world = 4)
+            elif within == h // p_frag - delay:  # start fragment f's exchange
                 d = (theta[f] - params[f]).reshape(-1).to(wire)
                 dist.all_reduce(d)
                 sent[f] = d
@@ -349,6 +357,26 @@ def test_streaming_matches_a_literal_reference_on_three_ranks(wire, delay, alpha
         assert sent == pytest.approx(3 * 2 * (world - 1) / world * n * (4 if wire == torch.float32 else 2), abs=4)
     if alpha:  # the mixing kept part of each rank's own progress: the ranks' x differ, θ does not
         assert not all(torch.equal(a, b) for a, b in zip(results[0][0][-1][0], results[1][0][-1][0]))
+
+
+@pytest.mark.parametrize("quant,delay", [("fp4", 1), ("fp8", 0), ("fp4", 0)])
+def test_quantised_streaming_matches_a_literal_reference_on_four_ranks(quant, delay):
+    # Streaming DiLoCo's fp4 (and torchft's fp8) wire: the quantised all-reduce in a thread beside the inner steps
+    world = 4
+    results = spawn(_streaming_literal_worker, world, torch.float32, delay, 0.0, quant)
+    for rank, (out, anchored, theta, sent, n) in enumerate(results):
+        for step, (lab, ref) in enumerate(out):
+            for a, b in zip(lab, ref):
+                assert torch.equal(a, b), (rank, step)
+        for a, t, t0 in zip(anchored, theta, results[0][2]):
+            assert torch.equal(a, t) and torch.equal(t, t0)
+    # bytes, summed over the ranks: each fragment's weight (48 values; 8 rows of 6, then 6 of 8) exchanged 3 times,
+    # each time 2(N − 1) copies of 48 / 2 (fp4; each rank's group padded to a byte: up to N more) or 48 (fp8)
+    # bytes plus 4 per row
+    values = 24 if quant == "fp4" else 48
+    one = (values + 4 * 8) + (values + 4 * 6)
+    total = sum(r[3] for r in results)
+    assert 3 * 2 * (world - 1) * one <= total <= 3 * 2 * (world - 1) * (one + (2 * world if quant == "fp4" else 0))
 
 
 def test_streaming_checks_its_arguments():

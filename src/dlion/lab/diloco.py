@@ -25,11 +25,17 @@ every rank takes part in every sync, as in every other method of the benchmarks)
 go in one flat buffer (torchft's ``use_bucketization`` with a bucket larger than the model) instead
 of one all-reduce per parameter: the same bytes in one call; and bf16, which torchft does not offer
 (its ``should_quantize`` is fp8, on CUDA): Δ_i is cast to bf16, summed in bf16, cast back, then ÷ N.
+
+``quantize="fp8"`` or ``"fp4"``: torchft's quantised all-reduce instead
+(:mod:`dlion.lab.quantised_allreduce`: row-scaled fp8 E4M3, or Streaming DiLoCo's fp4 E3M0; two
+all-to-alls, about 2(N−1)/N × (8 or 4) bits per parameter plus 32 per row). It runs in a thread beside
+the inner steps, on a process group of its own (so that no other collective interleaves with it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
@@ -38,6 +44,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dlion.collectives import CommStats, bytes_moved
+
+from . import float_wire
+from .quantised_allreduce import quantised_mean
 
 __all__ = ["DiLoCoState", "make_state", "pseudo_gradients", "average", "outer_step", "sync", "after_inner_step",
            "Exchange", "start_average", "finish_average", "split_fragments", "DiLoCo", "OUTER_LR", "OUTER_MOMENTUM"]
@@ -56,22 +65,27 @@ class DiLoCoState:
     sync_every: int
     wire_dtype: torch.dtype = torch.float32
     group: object = None
+    quantize: Optional[str] = None
     inner_steps: int = 0
     syncs: int = 0
     stats: CommStats = field(default_factory=CommStats)
 
 
 def make_state(params: Iterable[Tensor], *, sync_every: int, outer_lr: float = OUTER_LR,
-               wire_dtype: torch.dtype = torch.float32, group=None) -> DiLoCoState:
+               wire_dtype: torch.dtype = torch.float32, group=None, quantize: Optional[str] = None) -> DiLoCoState:
     """θ ← the parameters now (identical on every rank: the caller's job), and the outer
-    ``torch.optim.SGD(lr=outer_lr, momentum=0.9, nesterov=True)`` over them."""
+    ``torch.optim.SGD(lr=outer_lr, momentum=0.9, nesterov=True)`` over them. ``quantize``: None, or
+    ``"fp8"`` / ``"fp4"`` for the quantised all-reduce (with ``wire_dtype`` fp32)."""
     params = list(params)
     if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
         raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
     if wire_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"wire_dtype must be torch.float32 or torch.bfloat16, got {wire_dtype}")
+    if quantize is not None and (quantize not in float_wire.FORMATS or wire_dtype != torch.float32):
+        raise ValueError(f"quantize must be None or one of {', '.join(float_wire.FORMATS)} (with wire_dtype "
+                         f"torch.float32), got {quantize!r}")
     outer = torch.optim.SGD(params, lr=outer_lr, momentum=OUTER_MOMENTUM, nesterov=True)
-    return DiLoCoState(params, [p.detach().clone() for p in params], outer, sync_every, wire_dtype, group)
+    return DiLoCoState(params, [p.detach().clone() for p in params], outer, sync_every, wire_dtype, group, quantize)
 
 
 def pseudo_gradients(state: DiLoCoState) -> list[Tensor]:
@@ -112,6 +126,9 @@ def outer_step(state: DiLoCoState, avg: list[Tensor]) -> None:
 def sync(state: DiLoCoState, reduce: Optional[Callable[[Tensor], None]] = None, world: Optional[int] = None) -> None:
     """One outer round: pseudo-gradients, their average, the outer step. ``reduce`` and ``world``
     default to a SUM all-reduce on ``state.group`` and its size."""
+    if state.quantize:
+        outer_step(state, quantised_mean(pseudo_gradients(state), state.quantize, state.group, state.stats))
+        return
     reduce = reduce or all_reduce_sum(state)
     world = world or dist.get_world_size(state.group)
     outer_step(state, average(pseudo_gradients(state), state.wire_dtype, world, reduce))
@@ -130,17 +147,44 @@ def after_inner_step(state: DiLoCoState, reduce: Optional[Callable[[Tensor], Non
 @dataclass
 class Exchange:
     """An average in flight (Streaming DiLoCo): the fragment's Δ_i, the flat ``wire_dtype`` buffer its
-    SUM all-reduce works on in place, and the work to wait for (None: a reduction already done)."""
+    SUM all-reduce works on in place, and the work to wait for (None: a reduction already done); for the
+    quantised all-reduce no buffer, and ``result``, the mean, once the work (its thread) is done."""
     deltas: list[Tensor]
-    flat: Tensor
+    flat: Optional[Tensor]
     work: object = None
+    result: Optional[list] = None
+
+
+class _Thread:
+    """A quantised all-reduce running beside the inner steps; ``wait`` joins it (and raises its error)."""
+
+    def __init__(self, ex: Exchange, state: DiLoCoState):
+        self.error: Optional[BaseException] = None
+
+        def run():
+            try:
+                ex.result = quantised_mean(ex.deltas, state.quantize, state.group, state.stats)
+            except BaseException as e:  # (raised again in the caller's thread, at wait)
+                self.error = e
+        self.thread = threading.Thread(target=run, name="diloco-quantised-exchange", daemon=True)
+        self.thread.start()
+
+    def wait(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
 
 
 def start_average(state: DiLoCoState, deltas: list[Tensor],
                   reduce: Optional[Callable[[Tensor], object]] = None) -> Exchange:
     """Start Σ_i Δ_i: the Δ_i flattened into one ``wire_dtype`` buffer and reduced in place by
     ``reduce`` (returns a work to wait for, or None); default an asynchronous SUM all-reduce on
-    ``state.group``, counted in ``state.stats``."""
+    ``state.group``, counted in ``state.stats``. Quantised (``state.quantize``): the quantised all-reduce
+    in a thread."""
+    if state.quantize:
+        ex = Exchange(deltas, None)
+        ex.work = _Thread(ex, state)
+        return ex
     flat = torch.cat([d.reshape(-1) for d in deltas]).to(state.wire_dtype)
     if reduce is None:
         work = dist.all_reduce(flat, group=state.group, async_op=True)
@@ -155,6 +199,8 @@ def finish_average(ex: Exchange, world: int) -> list[Tensor]:
     """Wait for the exchange (if in flight); (Σ_i Δ_i) / N per parameter, back in Δ's dtype."""
     if ex.work is not None:
         ex.work.wait()
+    if ex.flat is None:  # (the quantised all-reduce: its mean)
+        return [r.to(d.dtype) for r, d in zip(ex.result, ex.deltas)]
     flat = ex.flat.to(ex.deltas[0].dtype)
     flat /= world
     return [v.view_as(d) for v, d in zip(flat.split([d.numel() for d in ex.deltas]), ex.deltas)]
@@ -197,7 +243,7 @@ class DiLoCo:
 
     def __init__(self, params: Iterable[Tensor], inner: torch.optim.Optimizer, *, sync_every: int,
                  outer_lr: float = OUTER_LR, wire_dtype: torch.dtype = torch.float32, group=None,
-                 fragments: int = 1, sync_delay: int = 0, update_alpha: float = 0.0,
+                 quantize: Optional[str] = None, fragments: int = 1, sync_delay: int = 0, update_alpha: float = 0.0,
                  reduce: Optional[Callable[[Tensor], object]] = None, world: Optional[int] = None):
         params = list(params)
         if not isinstance(fragments, int) or isinstance(fragments, bool) or fragments < 1:
@@ -212,8 +258,10 @@ class DiLoCo:
         if not 0.0 <= update_alpha <= 1.0:
             raise ValueError(f"update_alpha must be between 0 and 1, got {update_alpha!r}")
         self.inner = inner
-        self.fragments = [make_state(run, sync_every=sync_every, outer_lr=outer_lr, wire_dtype=wire_dtype, group=group)
-                          for run in split_fragments(params, fragments)]
+        if quantize is not None and dist.is_initialized():  # its own group: the exchange's thread must not interleave
+            group = dist.new_group(dist.get_process_group_ranks(group) if group is not None else None)  # with others
+        self.fragments = [make_state(run, sync_every=sync_every, outer_lr=outer_lr, wire_dtype=wire_dtype, group=group,
+                                     quantize=quantize) for run in split_fragments(params, fragments)]
         self.comm_stats = self.fragments[0].stats
         for s in self.fragments:
             s.stats = self.comm_stats  # (one count for the model)

@@ -39,6 +39,7 @@ from dlion.lion import Lion
 from dlion.local import fragments_ending, split_fragments
 from dlion.vote import VoteRule
 
+from .. import float_wire
 from .baselines import TRIT_BITS, BitCounter, alltoall_bits, ring_allreduce_bits
 
 __all__ = ["LocalMethod", "LocalVote", "DiLoCo", "vote_round", "local_vote_bits", "diloco_bits", "quantize_rows",
@@ -65,37 +66,20 @@ def diloco_bits(world_size: int, H: float, bits: int = 32) -> float:
 
 
 #: bits per value of DiLoCo's wire formats; fp8 and fp4 add one fp32 scale per row (:func:`quantize_rows`)
-WIRE_BITS = {"fp32": 32, "bf16": 16, "fp8": 8, "fp4": 4}
-_FP8_MAX = 448.0  # the largest float8_e4m3fn
-_E3M0_LOW = -6    # fp4 E3M0: sign, 3 exponent bits, no mantissa: 0 and 2^-6 … 2^0 (times the row's scale)
+WIRE_BITS = {"fp32": 32, "bf16": 16, **float_wire.VALUE_BITS}
 
 
 def quantize_rows(d: Tensor, wire: str) -> Tensor:
-    """``d`` as it arrives after a trip in ``wire`` format, in fp32: one fp32 scale per row (the
-    last dimension; a 0-d or 1-d tensor is one row), the absmax of the row.
-
-    ``fp8``: float8 E4M3 of d·448/scale (round to nearest even, ``torch.float8_e4m3fn``), the row-wise
-    scaling of torchft's quantised all-reduce (its ``should_quantize``). ``fp4``: E3M0, the 4-bit
-    float of Streaming DiLoCo (arXiv 2501.18512): |d|/scale rounded to the nearest of 0, 2^-6, …,
-    2^-1, 1 (ties away from zero), the sign kept. ``fp32``: d unchanged; ``bf16``: rounded to bf16."""
+    """``d`` as it arrives after a trip in ``wire`` format, in fp32: ``fp8`` / ``fp4`` row-wise scaled
+    (:mod:`dlion.lab.float_wire`: torchft's fp8 E4M3, Streaming DiLoCo's fp4 E3M0); ``fp32``: d
+    unchanged; ``bf16``: rounded to bf16."""
     if wire == "fp32":
         return d.float()
     if wire == "bf16":
         return d.to(torch.bfloat16).float()
-    if wire not in ("fp8", "fp4"):
+    if wire not in float_wire.FORMATS:
         raise ValueError(f"wire must be one of {', '.join(WIRE_BITS)}, got {wire!r}")
-    rows = d.float().reshape(-1, d.shape[-1]) if d.dim() > 1 else d.float().reshape(1, -1)
-    scale = rows.abs().amax(dim=1, keepdim=True)
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    if wire == "fp8":
-        q = (rows * (_FP8_MAX / safe)).to(torch.float8_e4m3fn).float() * (safe / _FP8_MAX)
-    else:
-        m = rows.abs() / safe  # in [0, 1]
-        lower = torch.exp2(torch.floor(torch.log2(m.clamp(min=2.0 ** _E3M0_LOW))))  # 2^k <= m (or 2^-6)
-        level = torch.where(m >= 1.5 * lower, 2 * lower, lower).clamp(max=1.0)     # the nearer of 2^k, 2^(k+1)
-        level = torch.where(m >= 2.0 ** (_E3M0_LOW - 1), level, torch.zeros_like(level))  # below 2^-7: 0
-        q = torch.sign(rows) * level * safe
-    return q.reshape(d.shape)
+    return float_wire.roundtrip(d, wire)
 
 
 def _kept(c: Tensor, threshold: float) -> Tensor:

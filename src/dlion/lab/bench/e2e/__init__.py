@@ -26,7 +26,8 @@ talking every H = ``--sync-every`` steps
                            ``d-local-avg-st`` streamed
   ``diloco-{adamw,lion}[-bf16]``  DiLoCo (dlion.lab.diloco, torchft's update): H inner AdamW (10 × lr, as
                            G-AdamW) or Lion steps, the pseudo-gradients averaged by an fp32 (bf16) all-reduce,
-                           outer Nesterov SGD at ``--outer-lr`` (default 0.7); ``diloco-*-st``: Streaming
+                           ``diloco-adamw-fp8`` / ``-fp4``: by torchft's quantised all-reduce (row-scaled
+                           fp8 E4M3, Streaming DiLoCo's fp4 E3M0), outer Nesterov SGD at ``--outer-lr`` (default 0.7); ``diloco-*-st``: Streaming
                            DiLoCo (torchft's): ``--fragments`` P, each fragment's exchange started
                            ``--stream-delay`` τ steps before its round ends (default H/P − 1), mixed back
                            with ``--fragment-alpha`` (default 0)

@@ -27,10 +27,12 @@ DLION = tuple(f"d-{vote}-{comm}{ov}" for vote in ("mavo", "avg") for comm in ("a
 # -dl: delay=1 (Δ applied a step later, its exchange overlapping the next forward and backward)
 HIER = ("h-mavo-1bit", "h-mavo-allgather", "h-avg-1bit")  # HierarchicalDistributedLion (needs --nodes)
 # Methods that talk every H = --sync-every steps: LocalDistributedLion (MaVo or Avg, 1bit; -st: streaming=True) and
-# DiLoCo (dlion.lab.diloco: AdamW or Lion inner steps, the pseudo-gradients averaged in fp32 or bf16; -st: Streaming
-# DiLoCo, torchft's fragments, fragment_sync_delay and fragment_update_alpha)
+# DiLoCo (dlion.lab.diloco: AdamW or Lion inner steps, the pseudo-gradients averaged in fp32 or bf16, or with AdamW
+# through torchft's quantised all-reduce in fp8 or Streaming DiLoCo's fp4; -st: Streaming DiLoCo, torchft's
+# fragments, fragment_sync_delay and fragment_update_alpha)
 LOCAL = ("d-local-mavo", "d-local-mavo-st", "d-local-avg", "d-local-avg-st")
-DILOCO_ONE_PIECE = ("diloco-adamw", "diloco-lion", "diloco-adamw-bf16", "diloco-lion-bf16")
+DILOCO_ONE_PIECE = ("diloco-adamw", "diloco-lion", "diloco-adamw-bf16", "diloco-lion-bf16", "diloco-adamw-fp8",
+                    "diloco-adamw-fp4")
 DILOCO = DILOCO_ONE_PIECE + tuple(m + "-st" for m in DILOCO_ONE_PIECE)
 SYNC_EVERY = LOCAL + DILOCO
 METHODS = BASELINES + DLION + HIER + SYNC_EVERY
@@ -94,7 +96,7 @@ GROUPS = {
     "mavo": tuple(m for m in DLION if m.startswith("d-mavo")),
     "avg": tuple(m for m in DLION if m.startswith("d-avg")),
     "overlap": tuple(m for m in DLION if "-ov" in m),
-    "local": ("compute", "d-mavo-1bit-ov-rt", "g-adamw-powersgd4-ov") + LOCAL + DILOCO_ONE_PIECE,
+    "local": ("compute", "d-mavo-1bit-ov-rt", "g-adamw-powersgd4-ov") + LOCAL + DILOCO_ONE_PIECE[:4],  # (not fp8 / fp4)
 }
 LABELS = {"compute": "compute only (no comm)", "sync-only": "sync only (1 value per bucket)",
           "g-adamw": "G-AdamW (DDP fp32)", "g-lion": "G-Lion (DDP fp32)", "g-lion-bf16": "G-Lion (DDP bf16 hook)",
@@ -108,7 +110,7 @@ LABELS = {"compute": "compute only (no comm)", "sync-only": "sync only (1 value 
           "d-local-avg": "Local D-Lion Avg 1bit",
           "d-local-avg-st": "Local D-Lion Avg 1bit streaming",
           **{m: f"{'Streaming ' if m.endswith('-st') else ''}DiLoCo {'AdamW' if 'adamw' in m else 'Lion'} "
-                f"{'bf16' if 'bf16' in m else 'fp32'}" for m in DILOCO}}
+                f"{next((w for w in ('bf16', 'fp8', 'fp4') if w in m), 'fp32')}" for m in DILOCO}}
 POWERSGD_START_ITER = 2  # PowerSGD needs >= 2 uncompressed iterations (DDP rebuilds buckets after the first)
 POWERSGD_BUCKET_MB = 1 << 16  # one bucket for PowerSGD (see MethodRun)
 FIRST_BUCKET_MB = 2.0  # -fb methods: on CharGPT the one block-5 MLP matrix, like DDP's 1 MiB first bucket (which closes
@@ -369,7 +371,8 @@ def _local_class():
 
 def _diloco(method: str, model, cfg: dict, lr: float, betas: tuple, wd: float, fused: bool):
     """DiLoCo (:mod:`dlion.lab.diloco`): AdamW inner steps at 10 × the Lion lr and wd / 10 (as G-AdamW),
-    or Lion; the pseudo-gradients averaged in fp32, or bf16 (-bf16); the outer Nesterov SGD at --outer-lr;
+    or Lion; the pseudo-gradients averaged in fp32, or bf16 (-bf16), or through the quantised all-reduce
+    (-fp8, -fp4: :mod:`dlion.lab.quantised_allreduce`); the outer Nesterov SGD at --outer-lr;
     -st: Streaming DiLoCo in --fragments P, each exchange started --stream-delay τ steps before its round
     ends (default H/P − 1, the most torchft allows), mixed back with --fragment-alpha."""
     import dlion
@@ -384,7 +387,8 @@ def _diloco(method: str, model, cfg: dict, lr: float, betas: tuple, wd: float, f
     p = cfg.get("fragments", 1) if streamed else 1
     delay = cfg.get("stream_delay") if streamed else 0
     return DiLoCo(model.parameters(), inner, sync_every=h, outer_lr=cfg.get("outer_lr", OUTER_LR),
-                  wire_dtype=torch.bfloat16 if "-bf16" in method else torch.float32, fragments=p,
+                  wire_dtype=torch.bfloat16 if "-bf16" in method else torch.float32,
+                  quantize=next((q for q in ("fp8", "fp4") if f"-{q}" in method), None), fragments=p,
                   sync_delay=h // p - 1 if delay is None else delay,
                   update_alpha=cfg.get("fragment_alpha", 0.0) if streamed else 0.0)
 
