@@ -176,6 +176,7 @@ def _draw(ax, rows: list[dict], drawn: list[tuple], min_seeds: int) -> None:
         style = ("-" if ln == b else "--", ":", "-.")[min(nth, 2)]
         if lr == HELD_OUT:  # (each point names its settings)
             name = (label(f"{b}:1").split(" H=")[0] if ln == b  # (DiLoCo: fp32 or bf16 per point, named there)
+                    else label(":".join([b, "1"] + ln.split(":")[1:])).split(" H=")[0] if ln in CARRIED
                     else pts[0]["label"].split(" (lr ")[0].replace(f" H={pts[0]['H']}", ""))
             pick = (f"at {CARRIED[ln]} held-out pick for each H, carried" if ln in CARRIED
                     else "at the held-out pick for each H")
