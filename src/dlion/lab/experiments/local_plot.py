@@ -68,8 +68,8 @@ HELD_OUT_PICKS = {
 }
 #: the curves of HELD_OUT_PICKS whose picks were carried from another curve's, not searched on their own
 CARRIED = {"diloco_adamw:wire=fp4": "DiLoCo's", "diloco_adamw:wire=fp8": "DiLoCo's"}
-#: colours of the curves drawn apart from their base method's
-LINE_COLORS = {"diloco_adamw:wire=fp4": "#e6550d", "diloco_adamw:wire=fp8": "#fd8d3c"}
+#: colours of DiLoCo's lines with a quantised all-reduce (``wire=``), apart from its base method's
+WIRE_COLORS = {"fp4": "#e6550d", "fp8": "#fd8d3c"}
 #: the lr of a drawn line that stands for "the held-out pick at each H" (HELD_OUT_PICKS[line])
 HELD_OUT = "held-out"
 #: (line, lr or None for any) drawn in final_vs_bits_main.png, besides the HELD_OUT curves (main_lines adds them)
@@ -187,7 +187,7 @@ def _draw(ax, rows: list[dict], drawn: list[tuple], min_seeds: int) -> None:
                 str(r["H"]) for r in sorted(pts, key=lambda r: r["H"]))
         else:
             text = pts[0]["label"] + " (every step)"
-        color = LINE_COLORS.get(ln, COLORS[b])
+        color = next((c for w, c in WIRE_COLORS.items() if f":wire={w}" in ln), COLORS[b])
         ax.errorbar(x, y, yerr=err, color=color, marker=MARKERS[b], ms=9 if MARKERS[b] == "*" else 6,
                     capsize=3, lw=1.2, ls=style if local and len(pts) > 1 else "none",
                     mfc="none" if ln != b else None, label=text)
