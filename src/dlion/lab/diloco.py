@@ -258,8 +258,9 @@ class DiLoCo:
         if not 0.0 <= update_alpha <= 1.0:
             raise ValueError(f"update_alpha must be between 0 and 1, got {update_alpha!r}")
         self.inner = inner
-        if quantize is not None and dist.is_initialized():  # its own group: the exchange's thread must not interleave
-            group = dist.new_group(dist.get_process_group_ranks(group) if group is not None else None)  # with others
+        if quantize is not None and dist.is_initialized():
+            # a group of its own: no other collective may interleave with the exchange's thread
+            group = dist.new_group(dist.get_process_group_ranks(group) if group is not None else None)
         self.fragments = [make_state(run, sync_every=sync_every, outer_lr=outer_lr, wire_dtype=wire_dtype, group=group,
                                      quantize=quantize) for run in split_fragments(params, fragments)]
         self.comm_stats = self.fragments[0].stats
