@@ -514,13 +514,13 @@ class DiLoCo(LocalMethod):
             raise ValueError(f"wire must be one of {', '.join(WIRE_BITS)} (and not with bf16), got {wire!r}")
         self.wire = wire or ("bf16" if bf16 else "fp32")
         self.bf16 = self.wire == "bf16"
-        self.rows = sum(p[0].numel() // p.shape[-1] if p.dim() > 1 else 1 for p in self.workers)
+        self.rows = sum(float_wire.rows_of(p[0]).shape[0] for p in self.workers)  # (one fp32 scale each)
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
         self.outer = torch.optim.SGD(self.params, lr=outer_lr, momentum=outer_momentum,
                                      nesterov=outer_momentum > 0)
 
     def sync(self) -> None:
-        quantised = self.wire in ("fp8", "fp4")
+        quantised = self.wire in float_wire.FORMATS
         for a, x in zip(self.params, self.workers):
             d = a.detach().unsqueeze(0) - x
             mean = torch.stack([quantize_rows(di, self.wire) for di in d]).sum(0).div_(self.world_size)

@@ -98,6 +98,7 @@ import torch
 from dlion.lion import Lion
 from dlion.simulate import SimulatedDistributedLion
 
+from .. import float_wire
 from . import baselines as B
 from . import local_steps as L
 from .tasks import ShakespeareTask, Task, make_task
@@ -180,8 +181,9 @@ def local_options(spec: str) -> dict:
                 raise ValueError(f"vote must be mavo, avg, mean or count, got {spec!r}")
             out[key] = value
         elif key == "wire":
-            if value not in ("fp32", "fp8", "fp4"):
-                raise ValueError(f"wire must be fp32, fp8 or fp4 (bf16: the _bf16 method), got {spec!r}")
+            if value not in ("fp32",) + float_wire.FORMATS:
+                raise ValueError(f"wire must be fp32, {', '.join(float_wire.FORMATS)} (bf16: the _bf16 method), "
+                                 f"got {spec!r}")
             out[key] = value
         elif key == "inner":
             if value not in ("lion", "adamw"):

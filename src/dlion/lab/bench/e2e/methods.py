@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
+from dlion.lab import float_wire
+
 if TYPE_CHECKING:
     from .instrument import Instrument
 
@@ -31,8 +33,8 @@ HIER = ("h-mavo-1bit", "h-mavo-allgather", "h-avg-1bit")  # HierarchicalDistribu
 # through torchft's quantised all-reduce in fp8 or Streaming DiLoCo's fp4; -st: Streaming DiLoCo, torchft's
 # fragments, fragment_sync_delay and fragment_update_alpha)
 LOCAL = ("d-local-mavo", "d-local-mavo-st", "d-local-avg", "d-local-avg-st")
-DILOCO_ONE_PIECE = ("diloco-adamw", "diloco-lion", "diloco-adamw-bf16", "diloco-lion-bf16", "diloco-adamw-fp8",
-                    "diloco-adamw-fp4")
+DILOCO_UNQUANTISED = ("diloco-adamw", "diloco-lion", "diloco-adamw-bf16", "diloco-lion-bf16")
+DILOCO_ONE_PIECE = DILOCO_UNQUANTISED + tuple(f"diloco-adamw-{q}" for q in float_wire.FORMATS)
 DILOCO = DILOCO_ONE_PIECE + tuple(m + "-st" for m in DILOCO_ONE_PIECE)
 SYNC_EVERY = LOCAL + DILOCO
 METHODS = BASELINES + DLION + HIER + SYNC_EVERY
@@ -96,7 +98,7 @@ GROUPS = {
     "mavo": tuple(m for m in DLION if m.startswith("d-mavo")),
     "avg": tuple(m for m in DLION if m.startswith("d-avg")),
     "overlap": tuple(m for m in DLION if "-ov" in m),
-    "local": ("compute", "d-mavo-1bit-ov-rt", "g-adamw-powersgd4-ov") + LOCAL + DILOCO_ONE_PIECE[:4],  # (not fp8 / fp4)
+    "local": ("compute", "d-mavo-1bit-ov-rt", "g-adamw-powersgd4-ov") + LOCAL + DILOCO_UNQUANTISED,
 }
 LABELS = {"compute": "compute only (no comm)", "sync-only": "sync only (1 value per bucket)",
           "g-adamw": "G-AdamW (DDP fp32)", "g-lion": "G-Lion (DDP fp32)", "g-lion-bf16": "G-Lion (DDP bf16 hook)",
@@ -388,7 +390,7 @@ def _diloco(method: str, model, cfg: dict, lr: float, betas: tuple, wd: float, f
     delay = cfg.get("stream_delay") if streamed else 0
     return DiLoCo(model.parameters(), inner, sync_every=h, outer_lr=cfg.get("outer_lr", OUTER_LR),
                   wire_dtype=torch.bfloat16 if "-bf16" in method else torch.float32,
-                  quantize=next((q for q in ("fp8", "fp4") if f"-{q}" in method), None), fragments=p,
+                  quantize=next((q for q in float_wire.FORMATS if f"-{q}" in method), None), fragments=p,
                   sync_delay=h // p - 1 if delay is None else delay,
                   update_alpha=cfg.get("fragment_alpha", 0.0) if streamed else 0.0)
 
