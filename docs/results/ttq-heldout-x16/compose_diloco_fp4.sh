@@ -1,19 +1,47 @@
 #!/usr/bin/env bash
 set -e
-# The held-out rule's part 17, stage 2 (docs/results/ttq-heldout/rule_part17.txt): Streaming DiLoCo with the 4-bit all-reduce
-# (AdamW, H = 100, lr 1e-4, outer lr 1.0, alpha 0.5), each exchange started tau steps before its round ends: tau = 75 timed at
-# 50 Mbit/s, tau = 35 at 100 Mbit/s, on the emulated 16x host; its evaluation seeds composed and moved onto the others'
-# compute-only step beside every row, targets 2.1 and 2.2, into seeds-diloco-fp4-st-h100[-d35]/rebased.json; then the 3-fragment
-# vote (lr 4e-4, the tables' row) beside them, into that row's rebased-vs-diloco-fp4.json and rebased-vs-peers-fp4.json.
-# Run from anywhere (SETTINGS="75" or "35" for one), after the other compose_*.sh scripts (whose outputs this one reads) and
+# The held-out rule's part 17, stage 2 (docs/results/ttq-heldout/rule_part17.txt): DiLoCo with AdamW and the 4-bit all-reduce
+# at each setting stage 2 names on the emulated 16x host, its evaluation seeds composed with that setting's own e2e run and
+# moved onto the others' compute-only step beside every row, targets 2.1 and 2.2, into seeds-NAME/rebased.json; then the
+# 3-fragment vote (lr 4e-4, the tables' row) beside all of them, into that row's rebased-vs-diloco-fp4.json and
+# rebased-vs-peers-fp4.json. The settings (NAME: H, streamed with tau, at which rate; SETTINGS="NAME ..." for some):
+#   diloco-fp4-st-h100      H = 100, tau = 75, 50 Mbit/s    diloco-fp4-st-h100-d35  H = 100, tau = 35, 100 Mbit/s
+#   diloco-fp4-h100         H = 100, not streamed, 1 Gbit/s diloco-fp4-st-h50-d5    H = 50, tau = 5, 1 Gbit/s
+#   diloco-fp4-st-h50-d36   H = 50, tau = 36, 100 Mbit/s
+# Run from anywhere, after the other compose_*.sh scripts (whose outputs this one reads), the e2e runs
 #   dlion bench e2e --link 3125kbit --queue 800ms --ties random --methods compute,diloco-adamw-fp4-st-h100 --stream-delay 75 \
 #       --fragment-alpha 0.5 --outer-lr 1.0 --steps 200 --warmup 3 --fused --no-progress --out docs/results/e2e-local-x16-fp4-st
-#   (tau = 35: --link 6250kbit --stream-delay 35 ... --out docs/results/e2e-local-x16-fp4-st-100mbit)
+#   (tau = 35: --link 6250kbit --stream-delay 35 ... --out docs/results/e2e-local-x16-fp4-st-100mbit;
+#    H = 50: --methods compute,diloco-adamw-fp4-st-h50 --outer-lr 0.7 and --link 62500kbit --stream-delay 5
+#    --out docs/results/e2e-local-x16-fp4-st-h50-1gbit, or --link 6250kbit --stream-delay 36 --out ...-h50-100mbit;
+#    not streamed: stage 1's e2e-local-x16-fp4)
+# and the seeds K = 0-4 of each setting:
 #   dlion bench ttq $R --methods diloco-adamw-fp4-st --sync-every 100 --stream-delay TAU --fragment-alpha 0.5 --outer-lr 1.0 \
-#       --lr 1e-4 --seed K --out docs/results/ttq-heldout/diloco-fp4-st-h100-dTAU-a0.5-olr1.0-lr1e-4-seedK   # K = 0-4
+#       --lr 1e-4 --seed K --out docs/results/ttq-heldout/diloco-fp4-st-h100-dTAU-a0.5-olr1.0-lr1e-4-seedK
+#   dlion bench ttq $R --methods diloco-adamw-fp4 --sync-every 100 --outer-lr 1.0 --lr 1e-4 --seed K \
+#       --out docs/results/ttq-heldout/diloco-fp4-h100-olr1.0-lr1e-4-seedK
+#   dlion bench ttq $R --methods diloco-adamw-fp4-st --sync-every 50 --stream-delay TAU --fragment-alpha 0.5 --outer-lr 0.7 \
+#       --lr 2e-4 --seed K --out docs/results/ttq-heldout/diloco-fp4-st-h50-dTAU-a0.5-olr0.7-lr2e-4-seedK
 cd "$(dirname "$0")/../../.."
 P=${PYTHON:-python}
 . docs/results/ttq-heldout-x16/compose_common.sh
+E=docs/results/e2e-local-x16-fp4
+setting() {  # NAME -> RUNS (seed prefix), METHOD (its key in the curves), E2E (its e2e method), OWN (that run), LINK
+  case $1 in
+    diloco-fp4-st-h100) RUNS=diloco-fp4-st-h100-d75-a0.5-olr1.0-lr1e-4-seed; METHOD="diloco-adamw-fp4-st|stream_delay=75|fragment_alpha=0.5"
+      E2E=diloco-adamw-fp4-st-h100; OWN=$E-st; LINK=50mbit ;;
+    diloco-fp4-st-h100-d35) RUNS=diloco-fp4-st-h100-d35-a0.5-olr1.0-lr1e-4-seed; METHOD="diloco-adamw-fp4-st|stream_delay=35|fragment_alpha=0.5"
+      E2E=diloco-adamw-fp4-st-h100; OWN=$E-st-100mbit; LINK=100mbit ;;
+    diloco-fp4-h100) RUNS=diloco-fp4-h100-olr1.0-lr1e-4-seed; METHOD=diloco-adamw-fp4
+      E2E=diloco-adamw-fp4-h100; OWN=$E; LINK=1gbit ;;
+    diloco-fp4-st-h50-d5) RUNS=diloco-fp4-st-h50-d5-a0.5-olr0.7-lr2e-4-seed; METHOD="diloco-adamw-fp4-st|stream_delay=5|fragment_alpha=0.5"
+      E2E=diloco-adamw-fp4-st-h50; OWN=$E-st-h50-1gbit; LINK=1gbit ;;
+    diloco-fp4-st-h50-d36) RUNS=diloco-fp4-st-h50-d36-a0.5-olr0.7-lr2e-4-seed; METHOD="diloco-adamw-fp4-st|stream_delay=36|fragment_alpha=0.5"
+      E2E=diloco-adamw-fp4-st-h50; OWN=$E-st-h50-100mbit; LINK=100mbit ;;
+    *) echo "unknown setting $1" >&2; exit 2 ;;
+  esac
+  RUNS=docs/results/ttq-heldout/$RUNS; OWN=$OWN/e2e_results.json
+}
 host x16
 for T in 2.1 2.2; do
   target x16 $T
@@ -23,14 +51,14 @@ for T in 2.1 2.2; do
     [ -f $O/seeds-$NAME/rebased.json ] && ROWS="$ROWS $O/seeds-$NAME/rebased.json"
   done
   MINE=""
-  for TAU in ${SETTINGS:-75 35}; do
-    if [ $TAU = 75 ]; then NAME=diloco-fp4-st-h100; OWN=docs/results/e2e-local-x16-fp4-st/e2e_results.json; LINK=50mbit
-    else NAME=diloco-fp4-st-h100-d$TAU; OWN=docs/results/e2e-local-x16-fp4-st-100mbit/e2e_results.json; LINK=100mbit; fi
-    compose_seeds docs/results/ttq-heldout/diloco-fp4-st-h100-d$TAU-a0.5-olr1.0-lr1e-4-seed $OWN $T $NAME
+  for NAME in ${SETTINGS:-diloco-fp4-st-h100 diloco-fp4-st-h100-d35 diloco-fp4-h100 diloco-fp4-st-h50-d5 diloco-fp4-st-h50-d36}; do
+    setting $NAME
+    [ -f ${RUNS}4/ttq_results.json ] || { echo "skipping $NAME: its seeds have not all run" >&2; continue; }
+    compose_seeds $RUNS $OWN $T $NAME
     D=$O/seeds-$NAME/rebased.json
-    $P scripts/ttq_rebase_compute.py --steps-json $O/seeds-$NAME/ttq_seeds.json \
-        --method "diloco-adamw-fp4-st|stream_delay=$TAU|fragment_alpha=0.5" --e2e-method diloco-adamw-fp4-st-h100 --own $OWN \
-        --ref $REF --speedup $S --raw-links $LINKS --links $LINK --others $OTHERS --rebased-others $ROWS --out $D > /dev/null
+    $P scripts/ttq_rebase_compute.py --steps-json $O/seeds-$NAME/ttq_seeds.json --method "$METHOD" --e2e-method $E2E \
+        --own $OWN --ref $REF --speedup $S --raw-links $LINKS --links $LINK --others $OTHERS --rebased-others $ROWS \
+        --out $D > /dev/null
     MINE="$MINE $D"
   done
   F=$O/seeds-avg-st-h25-f3-rates-lr4e-4
