@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
 set -e
 # The held-out rule's part 17, stage 2 (docs/results/ttq-heldout/rule_part17.txt): DiLoCo with AdamW and the 4-bit all-reduce
-# at each setting stage 2 names on the emulated 16x host, its evaluation seeds composed with that setting's own e2e run and
-# moved onto the others' compute-only step beside every row, targets 2.1 and 2.2, into seeds-NAME/rebased.json; then the
+# at each setting stage 2 names on the emulated 16x and 4x hosts, its evaluation seeds composed with that setting's own e2e run
+# and moved onto the others' compute-only step beside every row, targets 2.1 and 2.2, into seeds-NAME/rebased.json; then the
 # 3-fragment vote (lr 4e-4, the tables' row) beside all of them, into that row's rebased-vs-diloco-fp4.json and
-# rebased-vs-peers-fp4.json. The settings (NAME: H, streamed with tau, at which rate; SETTINGS="NAME ..." for some):
-#   diloco-fp4-st-h100      H = 100, tau = 75, 50 Mbit/s    diloco-fp4-st-h100-d35  H = 100, tau = 35, 100 Mbit/s
-#   diloco-fp4-h100         H = 100, not streamed, 1 Gbit/s diloco-fp4-st-h50-d5    H = 50, tau = 5, 1 Gbit/s
-#   diloco-fp4-st-h50-d36   H = 50, tau = 36, 100 Mbit/s
+# rebased-vs-peers-fp4.json. The settings (NAME: H, streamed with tau, at which rate; SETTINGS="NAME ..." for some, HOSTS="x16"):
+#   16x: diloco-fp4-st-h100       H = 100, tau = 75, 50 Mbit/s    diloco-fp4-st-h100-d35  H = 100, tau = 35, 100 Mbit/s
+#        diloco-fp4-h100          H = 100, not streamed, 1 Gbit/s diloco-fp4-st-h50-d5    H = 50, tau = 5, 1 Gbit/s
+#        diloco-fp4-st-h50-d36    H = 50, tau = 36, 100 Mbit/s
+#   4x:  diloco-fp4-h100          H = 100, not streamed, 1 Gbit/s (the 16x host's seeds)
+#        diloco-fp4-st-h100-d9    H = 100, tau = 9, 100 Mbit/s    diloco-fp4-st-h50-d11   H = 50, tau = 11, 100 Mbit/s
 # Run from anywhere, after the other compose_*.sh scripts (whose outputs this one reads), the e2e runs
 #   dlion bench e2e --link 3125kbit --queue 800ms --ties random --methods compute,diloco-adamw-fp4-st-h100 --stream-delay 75 \
 #       --fragment-alpha 0.5 --outer-lr 1.0 --steps 200 --warmup 3 --fused --no-progress --out docs/results/e2e-local-x16-fp4-st
 #   (tau = 35: --link 6250kbit --stream-delay 35 ... --out docs/results/e2e-local-x16-fp4-st-100mbit;
 #    H = 50: --methods compute,diloco-adamw-fp4-st-h50 --outer-lr 0.7 and --link 62500kbit --stream-delay 5
 #    --out docs/results/e2e-local-x16-fp4-st-h50-1gbit, or --link 6250kbit --stream-delay 36 --out ...-h50-100mbit;
-#    not streamed: stage 1's e2e-local-x16-fp4)
+#    the 4x host: --link 25mbit --queue 200ms --bucket-mb 6, --stream-delay 9 (H = 100) or 11 (H = 50),
+#    --out docs/results/e2e-local-x4-fp4-st-h100-100mbit or ...-x4-fp4-st-h50-100mbit;
+#    not streamed: stage 1's e2e-local-x16-fp4 and e2e-local-x4-fp4)
 # and the seeds K = 0-4 of each setting:
 #   dlion bench ttq $R --methods diloco-adamw-fp4-st --sync-every 100 --stream-delay TAU --fragment-alpha 0.5 --outer-lr 1.0 \
 #       --lr 1e-4 --seed K --out docs/results/ttq-heldout/diloco-fp4-st-h100-dTAU-a0.5-olr1.0-lr1e-4-seedK
@@ -25,34 +29,36 @@ set -e
 cd "$(dirname "$0")/../../.."
 P=${PYTHON:-python}
 . docs/results/ttq-heldout-x16/compose_common.sh
-E=docs/results/e2e-local-x16-fp4
-setting() {  # NAME -> RUNS (seed prefix), METHOD (its key in the curves), E2E (its e2e method), OWN (that run), LINK
-  case $1 in
-    diloco-fp4-st-h100) RUNS=diloco-fp4-st-h100-d75-a0.5-olr1.0-lr1e-4-seed; METHOD="diloco-adamw-fp4-st|stream_delay=75|fragment_alpha=0.5"
-      E2E=diloco-adamw-fp4-st-h100; OWN=$E-st; LINK=50mbit ;;
-    diloco-fp4-st-h100-d35) RUNS=diloco-fp4-st-h100-d35-a0.5-olr1.0-lr1e-4-seed; METHOD="diloco-adamw-fp4-st|stream_delay=35|fragment_alpha=0.5"
-      E2E=diloco-adamw-fp4-st-h100; OWN=$E-st-100mbit; LINK=100mbit ;;
-    diloco-fp4-h100) RUNS=diloco-fp4-h100-olr1.0-lr1e-4-seed; METHOD=diloco-adamw-fp4
-      E2E=diloco-adamw-fp4-h100; OWN=$E; LINK=1gbit ;;
-    diloco-fp4-st-h50-d5) RUNS=diloco-fp4-st-h50-d5-a0.5-olr0.7-lr2e-4-seed; METHOD="diloco-adamw-fp4-st|stream_delay=5|fragment_alpha=0.5"
-      E2E=diloco-adamw-fp4-st-h50; OWN=$E-st-h50-1gbit; LINK=1gbit ;;
-    diloco-fp4-st-h50-d36) RUNS=diloco-fp4-st-h50-d36-a0.5-olr0.7-lr2e-4-seed; METHOD="diloco-adamw-fp4-st|stream_delay=36|fragment_alpha=0.5"
-      E2E=diloco-adamw-fp4-st-h50; OWN=$E-st-h50-100mbit; LINK=100mbit ;;
-    *) echo "unknown setting $1" >&2; exit 2 ;;
+setting() {  # HOST NAME -> RUNS (seed prefix), METHOD (its key in the curves), E2E (its e2e method), OWN (that run), LINK
+  local E=docs/results/e2e-local-$1-fp4 ST="stream_delay=TAU|fragment_alpha=0.5"
+  case $1:$2 in
+    x16:diloco-fp4-st-h100) RUNS=diloco-fp4-st-h100-d75-a0.5-olr1.0-lr1e-4-seed; METHOD=${ST/TAU/75}; OWN=$E-st; LINK=50mbit ;;
+    x16:diloco-fp4-st-h100-d35) RUNS=diloco-fp4-st-h100-d35-a0.5-olr1.0-lr1e-4-seed; METHOD=${ST/TAU/35}; OWN=$E-st-100mbit; LINK=100mbit ;;
+    x4:diloco-fp4-st-h100-d9) RUNS=diloco-fp4-st-h100-d9-a0.5-olr1.0-lr1e-4-seed; METHOD=${ST/TAU/9}; OWN=$E-st-h100-100mbit; LINK=100mbit ;;
+    x16:diloco-fp4-st-h50-d5) RUNS=diloco-fp4-st-h50-d5-a0.5-olr0.7-lr2e-4-seed; METHOD=${ST/TAU/5}; OWN=$E-st-h50-1gbit; LINK=1gbit ;;
+    x16:diloco-fp4-st-h50-d36) RUNS=diloco-fp4-st-h50-d36-a0.5-olr0.7-lr2e-4-seed; METHOD=${ST/TAU/36}; OWN=$E-st-h50-100mbit; LINK=100mbit ;;
+    x4:diloco-fp4-st-h50-d11) RUNS=diloco-fp4-st-h50-d11-a0.5-olr0.7-lr2e-4-seed; METHOD=${ST/TAU/11}; OWN=$E-st-h50-100mbit; LINK=100mbit ;;
+    *:diloco-fp4-h100) RUNS=diloco-fp4-h100-olr1.0-lr1e-4-seed; METHOD=""; OWN=$E; LINK=1gbit ;;
+    *) echo "unknown setting $2 on the $1 host" >&2; exit 2 ;;
   esac
-  RUNS=docs/results/ttq-heldout/$RUNS; OWN=$OWN/e2e_results.json
+  case $2 in *-st-h50*) E2E=diloco-adamw-fp4-st-h50 ;; *-st-h100*) E2E=diloco-adamw-fp4-st-h100 ;; *) E2E=diloco-adamw-fp4-h100 ;; esac
+  METHOD=diloco-adamw-fp4${METHOD:+-st|$METHOD}; RUNS=docs/results/ttq-heldout/$RUNS; OWN=$OWN/e2e_results.json
 }
-host x16
+for HOST in ${HOSTS:-x16 x4}; do
+host $HOST
+if [ $HOST = x16 ]; then ALL="diloco-fp4-st-h100 diloco-fp4-st-h100-d35 diloco-fp4-h100 diloco-fp4-st-h50-d5 diloco-fp4-st-h50-d36"
+else ALL="diloco-fp4-h100 diloco-fp4-st-h100-d9 diloco-fp4-st-h50-d11"; fi
 for T in 2.1 2.2; do
-  target x16 $T
-  ROWS=""   # every row already moved onto the others' compute-only step, for this target
-  for NAME in diloco-bf16-h100 diloco-bf16-h100-olr1.0 diloco-bf16-h50 diloco-bf16-st-h100 avg-h32-reset avg-h32-reset-lr6e-4 \
-              avg-h25-reset avg-h50-reset avg-st-h25-d11 avg-st-h25-d3 avg-st-h25-f3-rates-lr4e-4 avg-h16-reset avg-h16-reset-slow; do
+  target $HOST $T
+  ROWS=""   # every row already moved onto the others' compute-only step, for this host and target
+  for NAME in diloco-bf16-h100 diloco-bf16-h100-olr1.0 diloco-bf16-h50 diloco-bf16-st-h100 diloco-bf16-st-h50 avg-h32-reset \
+              avg-h32-reset-lr6e-4 avg-h25-reset avg-h50-reset avg-st-h25-d11 avg-st-h25-d3 avg-st-h25-f3-rates-lr4e-4 avg-h16-reset \
+              avg-h16-reset-slow; do
     [ -f $O/seeds-$NAME/rebased.json ] && ROWS="$ROWS $O/seeds-$NAME/rebased.json"
   done
   MINE=""
-  for NAME in ${SETTINGS:-diloco-fp4-st-h100 diloco-fp4-st-h100-d35 diloco-fp4-h100 diloco-fp4-st-h50-d5 diloco-fp4-st-h50-d36}; do
-    setting $NAME
+  for NAME in ${SETTINGS:-$ALL}; do
+    setting $HOST $NAME
     [ -f ${RUNS}4/ttq_results.json ] || { echo "skipping $NAME: its seeds have not all run" >&2; continue; }
     compose_seeds $RUNS $OWN $T $NAME
     D=$O/seeds-$NAME/rebased.json
@@ -65,4 +71,5 @@ for T in 2.1 2.2; do
   $P scripts/ttq_rebase_compute.py --inputs-from $F/rebased.json --rebased-others $MINE --out $F/rebased-vs-diloco-fp4.json > /dev/null
   $P scripts/ttq_rebase_compute.py --inputs-from $F/rebased-vs-peers.json --rebased-others $MINE \
       --out $F/rebased-vs-peers-fp4.json > /dev/null
+done
 done
