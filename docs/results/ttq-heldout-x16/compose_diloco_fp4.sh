@@ -4,7 +4,8 @@ set -e
 # at each setting stage 2 names on the emulated 16x and 4x hosts, its evaluation seeds composed with that setting's own e2e run
 # and moved onto the others' compute-only step beside every row, targets 2.1 and 2.2, into seeds-NAME/rebased.json; then the
 # 3-fragment vote (lr 4e-4, the tables' row) beside all of them, into that row's rebased-vs-diloco-fp4.json and
-# rebased-vs-peers-fp4.json. The settings (NAME: H, streamed with tau, at which rate; SETTINGS="NAME ..." for some, HOSTS="x16"):
+# rebased-vs-peers-fp4.json, and the defaults' and H = 16's rows beside every DiLoCo row, into their rebased-vs-diloco-fp4.json.
+# The settings (NAME: H, streamed with tau, at which rate; SETTINGS="NAME ..." for some, HOSTS="x16"):
 #   16x: diloco-fp4-st-h100       H = 100, tau = 75, 50 Mbit/s    diloco-fp4-st-h100-d35  H = 100, tau = 35, 100 Mbit/s
 #        diloco-fp4-h100          H = 100, not streamed, 1 Gbit/s diloco-fp4-st-h50-d5    H = 50, tau = 5, 1 Gbit/s
 #        diloco-fp4-st-h50-d36    H = 50, tau = 36, 100 Mbit/s
@@ -71,5 +72,12 @@ for T in 2.1 2.2; do
   $P scripts/ttq_rebase_compute.py --inputs-from $F/rebased.json --rebased-others $MINE --out $F/rebased-vs-diloco-fp4.json > /dev/null
   $P scripts/ttq_rebase_compute.py --inputs-from $F/rebased-vs-peers.json --rebased-others $MINE \
       --out $F/rebased-vs-peers-fp4.json > /dev/null
+  # the defaults and the vote every 16 steps: their rebased.json's rivals, every DiLoCo row not yet among them and the 4-bit ones
+  for V in avg-h32-reset avg-h16-reset avg-h16-reset-slow; do
+    R=$O/seeds-$V/rebased.json; [ -f $R ] || continue
+    ADD=""
+    for X in $ROWS $MINE; do case $X in *seeds-diloco-*) grep -q "\"$X\"" $R || ADD="$ADD $X" ;; esac; done
+    $P scripts/ttq_rebase_compute.py --inputs-from $R --rebased-others $ADD --out $O/seeds-$V/rebased-vs-diloco-fp4.json > /dev/null
+  done
 done
 done
