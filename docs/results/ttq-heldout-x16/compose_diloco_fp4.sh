@@ -11,6 +11,7 @@ set -e
 #        diloco-fp4-st-h50-d36    H = 50, tau = 36, 100 Mbit/s
 #   4x:  diloco-fp4-h100          H = 100, not streamed, 1 Gbit/s (the 16x host's seeds)
 #        diloco-fp4-st-h100-d9    H = 100, tau = 9, 100 Mbit/s    diloco-fp4-st-h50-d11   H = 50, tau = 11, 100 Mbit/s
+#        diloco-fp4-h50           H = 50, not streamed, 1 Gbit/s
 # Run from anywhere, after the other compose_*.sh scripts (whose outputs this one reads), the e2e runs
 #   dlion bench e2e --link 3125kbit --queue 800ms --ties random --methods compute,diloco-adamw-fp4-st-h100 --stream-delay 75 \
 #       --fragment-alpha 0.5 --outer-lr 1.0 --steps 200 --warmup 3 --fused --no-progress --out docs/results/e2e-local-x16-fp4-st
@@ -25,6 +26,8 @@ set -e
 #       --lr 1e-4 --seed K --out docs/results/ttq-heldout/diloco-fp4-st-h100-dTAU-a0.5-olr1.0-lr1e-4-seedK
 #   dlion bench ttq $R --methods diloco-adamw-fp4 --sync-every 100 --outer-lr 1.0 --lr 1e-4 --seed K \
 #       --out docs/results/ttq-heldout/diloco-fp4-h100-olr1.0-lr1e-4-seedK
+#   dlion bench ttq $R --methods diloco-adamw-fp4 --sync-every 50 --outer-lr 0.7 --lr 2e-4 --seed K \
+#       --out docs/results/ttq-heldout/diloco-fp4-h50-olr0.7-lr2e-4-seedK
 #   dlion bench ttq $R --methods diloco-adamw-fp4-st --sync-every 50 --stream-delay TAU --fragment-alpha 0.5 --outer-lr 0.7 \
 #       --lr 2e-4 --seed K --out docs/results/ttq-heldout/diloco-fp4-st-h50-dTAU-a0.5-olr0.7-lr2e-4-seedK
 cd "$(dirname "$0")/../../.."
@@ -40,15 +43,16 @@ setting() {  # HOST NAME -> RUNS (seed prefix), METHOD (its key in the curves), 
     x16:diloco-fp4-st-h50-d36) RUNS=diloco-fp4-st-h50-d36-a0.5-olr0.7-lr2e-4-seed; METHOD=${ST/TAU/36}; OWN=$E-st-h50-100mbit; LINK=100mbit ;;
     x4:diloco-fp4-st-h50-d11) RUNS=diloco-fp4-st-h50-d11-a0.5-olr0.7-lr2e-4-seed; METHOD=${ST/TAU/11}; OWN=$E-st-h50-100mbit; LINK=100mbit ;;
     *:diloco-fp4-h100) RUNS=diloco-fp4-h100-olr1.0-lr1e-4-seed; METHOD=""; OWN=$E; LINK=1gbit ;;
+    x4:diloco-fp4-h50) RUNS=diloco-fp4-h50-olr0.7-lr2e-4-seed; METHOD=""; OWN=$E; LINK=1gbit ;;
     *) echo "unknown setting $2 on the $1 host" >&2; exit 2 ;;
   esac
-  case $2 in *-st-h50*) E2E=diloco-adamw-fp4-st-h50 ;; *-st-h100*) E2E=diloco-adamw-fp4-st-h100 ;; *) E2E=diloco-adamw-fp4-h100 ;; esac
+  case $2 in *-st-h50*) E2E=diloco-adamw-fp4-st-h50 ;; *-st-h100*) E2E=diloco-adamw-fp4-st-h100 ;; *-h50) E2E=diloco-adamw-fp4-h50 ;; *) E2E=diloco-adamw-fp4-h100 ;; esac
   METHOD=diloco-adamw-fp4${METHOD:+-st|$METHOD}; RUNS=docs/results/ttq-heldout/$RUNS; OWN=$OWN/e2e_results.json
 }
 for HOST in ${HOSTS:-x16 x4}; do
 host $HOST
 if [ $HOST = x16 ]; then ALL="diloco-fp4-st-h100 diloco-fp4-st-h100-d35 diloco-fp4-h100 diloco-fp4-st-h50-d5 diloco-fp4-st-h50-d36"
-else ALL="diloco-fp4-h100 diloco-fp4-st-h100-d9 diloco-fp4-st-h50-d11"; fi
+else ALL="diloco-fp4-h100 diloco-fp4-st-h100-d9 diloco-fp4-st-h50-d11 diloco-fp4-h50"; fi
 for T in 2.1 2.2; do
   target $HOST $T
   ROWS=""   # every row already moved onto the others' compute-only step, for this host and target
