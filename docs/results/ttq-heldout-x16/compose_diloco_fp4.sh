@@ -12,6 +12,7 @@ set -e
 #   4x:  diloco-fp4-h100          H = 100, not streamed, 1 Gbit/s (the 16x host's seeds)
 #        diloco-fp4-st-h100-d9    H = 100, tau = 9, 100 Mbit/s    diloco-fp4-st-h50-d11   H = 50, tau = 11, 100 Mbit/s
 #        diloco-fp4-h50           H = 50, not streamed, 1 Gbit/s
+#        diloco-fp4-st-h100-d18   H = 100, tau = 18, 50 Mbit/s    diloco-fp4-st-h50-d20   H = 50, tau = 20, 50 Mbit/s
 # Run from anywhere, after the other compose_*.sh scripts (whose outputs this one reads), the e2e runs
 #   dlion bench e2e --link 3125kbit --queue 800ms --ties random --methods compute,diloco-adamw-fp4-st-h100 --stream-delay 75 \
 #       --fragment-alpha 0.5 --outer-lr 1.0 --steps 200 --warmup 3 --fused --no-progress --out docs/results/e2e-local-x16-fp4-st
@@ -19,7 +20,8 @@ set -e
 #    H = 50: --methods compute,diloco-adamw-fp4-st-h50 --outer-lr 0.7 and --link 62500kbit --stream-delay 5
 #    --out docs/results/e2e-local-x16-fp4-st-h50-1gbit, or --link 6250kbit --stream-delay 36 --out ...-h50-100mbit;
 #    the 4x host: --link 25mbit --queue 200ms --bucket-mb 6, --stream-delay 9 (H = 100) or 11 (H = 50),
-#    --out docs/results/e2e-local-x4-fp4-st-h100-100mbit or ...-x4-fp4-st-h50-100mbit;
+#    --out docs/results/e2e-local-x4-fp4-st-h100-100mbit or ...-x4-fp4-st-h50-100mbit; at 50 Mbit/s --link 12500kbit,
+#    --stream-delay 18 (H = 100) or 20 (H = 50), --out docs/results/e2e-local-x4-fp4-st-h100-50mbit or ...-st-h50-50mbit;
 #    not streamed: stage 1's e2e-local-x16-fp4 and e2e-local-x4-fp4)
 # and the seeds K = 0-4 of each setting:
 #   dlion bench ttq $R --methods diloco-adamw-fp4-st --sync-every 100 --stream-delay TAU --fragment-alpha 0.5 --outer-lr 1.0 \
@@ -42,6 +44,8 @@ setting() {  # HOST NAME -> RUNS (seed prefix), METHOD (its key in the curves), 
     x16:diloco-fp4-st-h50-d5) RUNS=diloco-fp4-st-h50-d5-a0.5-olr0.7-lr2e-4-seed; METHOD=${ST/TAU/5}; OWN=$E-st-h50-1gbit; LINK=1gbit ;;
     x16:diloco-fp4-st-h50-d36) RUNS=diloco-fp4-st-h50-d36-a0.5-olr0.7-lr2e-4-seed; METHOD=${ST/TAU/36}; OWN=$E-st-h50-100mbit; LINK=100mbit ;;
     x4:diloco-fp4-st-h50-d11) RUNS=diloco-fp4-st-h50-d11-a0.5-olr0.7-lr2e-4-seed; METHOD=${ST/TAU/11}; OWN=$E-st-h50-100mbit; LINK=100mbit ;;
+    x4:diloco-fp4-st-h100-d18) RUNS=diloco-fp4-st-h100-d18-a0.5-olr1.0-lr1e-4-seed; METHOD=${ST/TAU/18}; OWN=$E-st-h100-50mbit; LINK=50mbit ;;
+    x4:diloco-fp4-st-h50-d20) RUNS=diloco-fp4-st-h50-d20-a0.5-olr0.7-lr2e-4-seed; METHOD=${ST/TAU/20}; OWN=$E-st-h50-50mbit; LINK=50mbit ;;
     *:diloco-fp4-h100) RUNS=diloco-fp4-h100-olr1.0-lr1e-4-seed; METHOD=""; OWN=$E; LINK=1gbit ;;
     x4:diloco-fp4-h50) RUNS=diloco-fp4-h50-olr0.7-lr2e-4-seed; METHOD=""; OWN=$E; LINK=1gbit ;;
     *) echo "unknown setting $2 on the $1 host" >&2; exit 2 ;;
@@ -52,7 +56,7 @@ setting() {  # HOST NAME -> RUNS (seed prefix), METHOD (its key in the curves), 
 for HOST in ${HOSTS:-x16 x4}; do
 host $HOST
 if [ $HOST = x16 ]; then ALL="diloco-fp4-st-h100 diloco-fp4-st-h100-d35 diloco-fp4-h100 diloco-fp4-st-h50-d5 diloco-fp4-st-h50-d36"
-else ALL="diloco-fp4-h100 diloco-fp4-st-h100-d9 diloco-fp4-st-h50-d11 diloco-fp4-h50"; fi
+else ALL="diloco-fp4-h100 diloco-fp4-st-h100-d9 diloco-fp4-st-h50-d11 diloco-fp4-h50 diloco-fp4-st-h100-d18 diloco-fp4-st-h50-d20"; fi
 for T in 2.1 2.2; do
   target $HOST $T
   ROWS=""   # every row already moved onto the others' compute-only step, for this host and target
