@@ -65,11 +65,15 @@ HELD_OUT_PICKS = {
     "diloco_adamw:wire=fp4": {"diloco_adamw:25:wire=fp4": 6e-3, "diloco_adamw:10:outer_lr=0.5:wire=fp4": 4e-3,
                               "diloco_adamw:100:outer_lr=1:wire=fp4": 6e-3},
     "diloco_adamw:wire=fp8": {"diloco_adamw:25:wire=fp8": 6e-3},
+    # the majority vote (1 bit back) under the defaults' rule, at DiLoCo's 4-bit H = 100 budget (rule_mavo_h32.txt)
+    "dlocal_mavo:alpha=0.83:mr=1": {"dlocal_mavo:32:alpha=0.83:mr=1": 4e-4},
 }
 #: the curves of HELD_OUT_PICKS whose picks were carried from another curve's, not searched on their own
 CARRIED = {"diloco_adamw:wire=fp4": "DiLoCo's", "diloco_adamw:wire=fp8": "DiLoCo's"}
 #: colours of DiLoCo's lines with a quantised all-reduce (``wire=``), apart from its base method's
 WIRE_COLORS = {"fp4": "#e6550d", "fp8": "#fd8d3c"}
+#: colours of lines drawn apart from their base method's (a vote's other rule beside the defaults' picks)
+LINE_COLORS = {"dlocal_mavo:alpha=0.83:mr=1": "#17becf"}
 #: the lr of a drawn line that stands for "the held-out pick at each H" (HELD_OUT_PICKS[line])
 HELD_OUT = "held-out"
 #: (line, lr or None for any) drawn in final_vs_bits_main.png, besides the HELD_OUT curves (main_lines adds them)
@@ -187,7 +191,7 @@ def _draw(ax, rows: list[dict], drawn: list[tuple], min_seeds: int) -> None:
                 str(r["H"]) for r in sorted(pts, key=lambda r: r["H"]))
         else:
             text = pts[0]["label"] + " (every step)"
-        color = next((c for w, c in WIRE_COLORS.items() if f":wire={w}" in ln), COLORS[b])
+        color = LINE_COLORS.get(ln) or next((c for w, c in WIRE_COLORS.items() if f":wire={w}" in ln), COLORS[b])
         ax.errorbar(x, y, yerr=err, color=color, marker=MARKERS[b], ms=9 if MARKERS[b] == "*" else 6,
                     capsize=3, lw=1.2, ls=style if local and len(pts) > 1 else "none",
                     mfc="none" if ln != b else None, label=text)
