@@ -51,8 +51,9 @@ DEFAULTS = ("dlocal_mavo:alpha=0.83:vote=avg:mr=1", 3e-4, 32)
 #: the settings a held-out seed (100) chose at each H, one curve each in the README panel: the curve's line
 #: (its colour, marker and name) -> {spec: lr}. The rules: docs/results/charlm-local-heldout/rule_*.txt; the runs:
 #: docs/results.md, "The defaults' lr on a held-out seed", "Shorter rounds at a higher lr", "H = 16", "DiLoCo's lrs on a
-#: held-out seed", "Between 0.75 and 4.8 bits", "Long rounds". DiLoCo's curve joins the pick at each H searched (fp32
-#: at H = 10, bf16 at H = 10, 25, 32, 50, 100, 250 and 500), also where a pick did worse on the evaluation seeds (H = 250).
+#: held-out seed", "Between 0.75 and 4.8 bits", "Long rounds". DiLoCo's curve joins the pick at each H searched
+#: (fp32 at H = 10, bf16 at H = 10, 25, 32, 50, 100, 250 and 500), also where a pick did worse on the evaluation seeds
+#: (H = 250).
 HELD_OUT_PICKS = {
     DEFAULTS[0]: {"dlocal_mavo:32:alpha=0.83:vote=avg:mr=1": 6e-4, "dlocal_mavo:16:alpha=0.83:vote=avg:mr=1": 1e-3,
                   "dlocal_mavo:8:alpha=0.83:vote=avg:mr=1": 3e-3,
