@@ -664,7 +664,8 @@ def test_the_readme_panel_draws_the_vote_the_defaults_rule_and_diloco_only():
             rec("diloco_adamw_bf16:500:outer_lr=1", 0, 3e-3), rec("diloco_adamw_bf16:500:outer_lr=1.4", 0, 3e-3),
             rec("diloco_adamw_bf16:10:outer_lr=0.5", 0, 4e-3), rec("diloco_adamw_bf16:10", 0, 6e-3),
             rec("diloco_adamw:25:wire=fp4", 0, 6e-3), rec("diloco_adamw:25:wire=fp4", 0, 3e-3),
-            rec("diloco_adamw:10:outer_lr=0.5:wire=fp4", 0, 4e-3)]
+            rec("diloco_adamw:10:outer_lr=0.5:wire=fp4", 0, 4e-3),
+            rec("diloco_adamw:200:outer_lr=1:wire=fp4", 0, 6e-3), rec("diloco_adamw:200:wire=fp4", 0, 6e-3)]
     rows = summary_rows(runs)
     # the defaults' rule at the defaults' lr, and one curve through the lr the held-out seed chose at each H
     # (6e-4 at H = 32, 1e-3 at H = 16, 3e-3 at H = 8, 6e-3 at H = 2), not at 2e-4, 1e-3 at H = 8, 8e-4 at H = 16
@@ -688,4 +689,17 @@ def test_the_readme_panel_draws_the_vote_the_defaults_rule_and_diloco_only():
         ("diloco_adamw_bf16:25", 6e-3), ("diloco_adamw_bf16:250", 6e-3), ("diloco_adamw_bf16:32", 6e-3),
         ("diloco_adamw_bf16:50", 6e-3), ("diloco_adamw_bf16:500:outer_lr=1", 3e-3)]
     assert sorted((r["method"], r["lr"]) for r in line_points(rows, held_fp4)) == [
-        ("diloco_adamw:10:outer_lr=0.5:wire=fp4", 4e-3), ("diloco_adamw:25:wire=fp4", 6e-3)]
+        ("diloco_adamw:10:outer_lr=0.5:wire=fp4", 4e-3), ("diloco_adamw:200:outer_lr=1:wire=fp4", 6e-3),
+        ("diloco_adamw:25:wire=fp4", 6e-3)]
+    # the fp4 curve's legend says which of its picks were carried from bf16's and which were searched (H = 200)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from dlion.lab.experiments.local_plot import _draw
+    fig, ax = plt.subplots()
+    _draw(ax, rows, [held_fp4], 1)
+    assert ax.get_legend_handles_labels()[1] == [
+        "G-Lion's median + 1 %",
+        "DiLoCo (AdamW, fp4) at the held-out pick for each H (DiLoCo's at H = 10, 25, carried), H = 10, 25, 200"]
+    plt.close(fig)

@@ -64,13 +64,17 @@ HELD_OUT_PICKS = {
                      "diloco_adamw_bf16:250": 6e-3, "diloco_adamw_bf16:500:outer_lr=1": 3e-3},
     # DiLoCo with the quantised all-reduce (rule_diloco_quantised.txt): the fp32 / bf16 rows' picks, carried
     "diloco_adamw:wire=fp4": {"diloco_adamw:25:wire=fp4": 6e-3, "diloco_adamw:10:outer_lr=0.5:wire=fp4": 4e-3,
-                              "diloco_adamw:100:outer_lr=1:wire=fp4": 6e-3},
+                              "diloco_adamw:100:outer_lr=1:wire=fp4": 6e-3,
+                              # searched on its own below 0.062 bits (rule_low_budget.txt)
+                              "diloco_adamw:200:outer_lr=1:wire=fp4": 6e-3},
     "diloco_adamw:wire=fp8": {"diloco_adamw:25:wire=fp8": 6e-3},
-    # the majority vote (1 bit back) under the defaults' rule, at DiLoCo's 4-bit H = 100 budget (rule_mavo_h32.txt)
-    "dlocal_mavo:alpha=0.83:mr=1": {"dlocal_mavo:32:alpha=0.83:mr=1": 4e-4},
+    # the majority vote (1 bit back) under the defaults' rule, at DiLoCo's 4-bit H = 100 and 200 budgets
+    # (rule_mavo_h32.txt, rule_low_budget.txt)
+    "dlocal_mavo:alpha=0.83:mr=1": {"dlocal_mavo:32:alpha=0.83:mr=1": 4e-4, "dlocal_mavo:65:alpha=0.83:mr=1": 3e-4},
 }
-#: the curves of HELD_OUT_PICKS whose picks were carried from another curve's, not searched on their own
-CARRIED = {"diloco_adamw:wire=fp4": "DiLoCo's", "diloco_adamw:wire=fp8": "DiLoCo's"}
+#: the curves of HELD_OUT_PICKS whose picks at some H were carried from another curve's, not searched on their own:
+#: line -> (whose picks, the H values carried)
+CARRIED = {"diloco_adamw:wire=fp4": ("DiLoCo's", (10, 25, 100)), "diloco_adamw:wire=fp8": ("DiLoCo's", (25,))}
 #: colours of DiLoCo's lines with a quantised all-reduce (``wire=``), apart from its base method's
 WIRE_COLORS = {"fp4": "#e6550d", "fp8": "#fd8d3c"}
 #: colours of lines drawn apart from their base method's (a vote's other rule beside the defaults' picks)
@@ -183,8 +187,12 @@ def _draw(ax, rows: list[dict], drawn: list[tuple], min_seeds: int) -> None:
             name = (label(f"{b}:1").split(" H=")[0] if ln == b  # (DiLoCo: fp32 or bf16 per point, named there)
                     else label(":".join([b, "1"] + ln.split(":")[1:])).split(" H=")[0] if ln in CARRIED
                     else pts[0]["label"].split(" (lr ")[0].replace(f" H={pts[0]['H']}", ""))
-            pick = (f"at {CARRIED[ln]} held-out pick for each H, carried" if ln in CARRIED
-                    else "at the held-out pick for each H")
+            whose, carried = CARRIED.get(ln, (None, ()))
+            hs = sorted({r["H"] for r in pts})
+            carried, searched = [h for h in hs if h in carried], [h for h in hs if h not in carried]
+            pick = ("at the held-out pick for each H" if not carried
+                    else f"at {whose} held-out pick for each H, carried" if not searched
+                    else f"at the held-out pick for each H ({whose} at H = {', '.join(map(str, carried))}, carried)")
             text = name + f" {pick}, H = " + ", ".join(
                 str(r["H"]) for r in sorted(pts, key=lambda r: r["H"]))
         elif local:
