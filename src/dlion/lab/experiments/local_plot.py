@@ -187,9 +187,9 @@ def _draw(ax, rows: list[dict], drawn: list[tuple], min_seeds: int) -> None:
             name = (label(f"{b}:1").split(" H=")[0] if ln == b  # (DiLoCo: fp32 or bf16 per point, named there)
                     else label(":".join([b, "1"] + ln.split(":")[1:])).split(" H=")[0] if ln in CARRIED
                     else pts[0]["label"].split(" (lr ")[0].replace(f" H={pts[0]['H']}", ""))
-            whose, carried = CARRIED.get(ln, (None, ()))
+            whose, carried_hs = CARRIED.get(ln, (None, ()))
             hs = sorted({r["H"] for r in pts})
-            carried, searched = [h for h in hs if h in carried], [h for h in hs if h not in carried]
+            carried, searched = [h for h in hs if h in carried_hs], [h for h in hs if h not in carried_hs]
             pick = ("at the held-out pick for each H" if not carried
                     else f"at {whose} held-out pick for each H, carried" if not searched
                     else f"at the held-out pick for each H ({whose} at H = {', '.join(map(str, carried))}, carried)")
