@@ -219,7 +219,8 @@ def _draw(ax, rows: list[dict], drawn: list[tuple], min_seeds: int) -> None:
                     text = f"H={r['H']}, " + (f"lr {r['lr']:g}" if vote else _precision(r))
                     if vote and len(alphas) > 1:
                         text += f", α={local_options(r['method'])['alpha']:g}"
-                    xytext, ha = ((-5, -10), "right") if vote and r is not pts[-1] else ((5, -9), "left")
+                    xytext, ha = (((5, 5), "left") if ln in LINE_COLORS  # (a second vote curve: above its points)
+                                  else ((-5, -10), "right") if vote and r is not pts[-1] else ((5, -9), "left"))
                 else:
                     text, xytext, ha = f"H={r['H']}", (4, 4), "left"
                     if _held_out(r) and not picks_on_curves:
