@@ -666,9 +666,9 @@ def test_the_readme_panel_draws_the_vote_the_defaults_rule_and_diloco_only():
             rec("diloco_adamw:25:wire=fp4", 0, 6e-3), rec("diloco_adamw:25:wire=fp4", 0, 3e-3),
             rec("diloco_adamw:10:outer_lr=0.5:wire=fp4", 0, 4e-3),
             rec("diloco_adamw:200:outer_lr=1:wire=fp4", 0, 6e-3), rec("diloco_adamw:200:wire=fp4", 0, 6e-3),
-            # the majority vote: α 0.67 picked at H = 32 (not 0.83 there), 0.83 kept at H = 65
+            # the majority vote: α 0.67 picked at H = 32 and 65 (not 0.83, nor H = 65's 3e-4 at 0.83)
             rec("dlocal_mavo:32:alpha=0.67:mr=1", 0, 4e-4), rec("dlocal_mavo:32:alpha=0.83:mr=1", 0, 4e-4),
-            rec("dlocal_mavo:65:alpha=0.83:mr=1", 0, 3e-4)]
+            rec("dlocal_mavo:65:alpha=0.67:mr=1", 0, 3e-4), rec("dlocal_mavo:65:alpha=0.83:mr=1", 0, 3e-4)]
     rows = summary_rows(runs)
     # the defaults' rule at the defaults' lr, and one curve through the lr the held-out seed chose at each H
     # (6e-4 at H = 32, 1e-3 at H = 16, 3e-3 at H = 8, 6e-3 at H = 2), not at 2e-4, 1e-3 at H = 8, 8e-4 at H = 16
@@ -683,7 +683,7 @@ def test_the_readme_panel_draws_the_vote_the_defaults_rule_and_diloco_only():
     assert main_lines(rows) == [("glion", 1e-4, 0.1), ("dlocal_mavo", 1e-4, 0.1),
                                 ("dlocal_mavo:alpha=0.83:vote=avg:mr=1", 3e-4, 0.1), held,
                                 ("diloco_adamw", 3e-3, 0.1), held_diloco,
-                                ("diloco_adamw_bf16", 3e-3, 0.1), held_fp4, ("dlocal_mavo:mr=1", "held-out", 0.1)]
+                                ("diloco_adamw_bf16", 3e-3, 0.1), held_fp4, ("dlocal_mavo:alpha=0.67:mr=1", "held-out", 0.1)]
     assert sorted((r["H"], r["lr"]) for r in line_points(rows, held)) == [(2, 6e-3), (8, 3e-3), (16, 1e-3),
                                                                           (32, 6e-4)]
     assert sorted((r["method"], r["lr"]) for r in line_points(rows, held_diloco)) == [
@@ -706,13 +706,13 @@ def test_the_readme_panel_draws_the_vote_the_defaults_rule_and_diloco_only():
         "G-Lion's median + 1 %",
         "DiLoCo (AdamW, fp4) at the held-out pick for each H (DiLoCo's at H = 10, 25, carried), H = 10, 25, 200"]
     plt.close(fig)
-    # the majority vote's curve joins its picks at two outer scales: each point names its α, the legend none
-    held_mavo = ("dlocal_mavo:mr=1", "held-out", 0.1)
+    # the majority vote's curve joins its two picks, each point naming its lr
+    held_mavo = ("dlocal_mavo:alpha=0.67:mr=1", "held-out", 0.1)
     assert sorted((r["method"], r["lr"]) for r in line_points(rows, held_mavo)) == [
-        ("dlocal_mavo:32:alpha=0.67:mr=1", 4e-4), ("dlocal_mavo:65:alpha=0.83:mr=1", 3e-4)]
+        ("dlocal_mavo:32:alpha=0.67:mr=1", 4e-4), ("dlocal_mavo:65:alpha=0.67:mr=1", 3e-4)]
     fig, ax = plt.subplots()
     _draw(ax, rows, [held_mavo], 1)
     assert ax.get_legend_handles_labels()[1][1] == (
-        "D-Local MaVo, momenta reset at each sync at the held-out pick for each H, H = 32, 65")
-    assert sorted(t.get_text() for t in ax.texts) == ["H=32, lr 0.0004, α=0.67", "H=65, lr 0.0003, α=0.83"]
+        "D-Local MaVo, α=0.67, momenta reset at each sync at the held-out pick for each H, H = 32, 65")
+    assert sorted(t.get_text() for t in ax.texts) == ["H=32, lr 0.0004", "H=65, lr 0.0003"]
     plt.close(fig)

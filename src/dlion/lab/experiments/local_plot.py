@@ -70,7 +70,7 @@ HELD_OUT_PICKS = {
     "diloco_adamw:wire=fp8": {"diloco_adamw:25:wire=fp8": 6e-3},
     # the majority vote (1 bit back), momenta reset, at DiLoCo's 4-bit H = 100 and 200 budgets: its lr searched at
     # outer scale 0.83 (rule_mavo_h32.txt, rule_low_budget.txt), then its outer scale at that lr (rule_mavo_h32_outer.txt)
-    "dlocal_mavo:mr=1": {"dlocal_mavo:32:alpha=0.67:mr=1": 4e-4, "dlocal_mavo:65:alpha=0.83:mr=1": 3e-4},
+    "dlocal_mavo:alpha=0.67:mr=1": {"dlocal_mavo:32:alpha=0.67:mr=1": 4e-4, "dlocal_mavo:65:alpha=0.67:mr=1": 3e-4},
 }
 #: the curves of HELD_OUT_PICKS whose picks at some H were carried from another curve's, not searched on their own:
 #: line -> (whose picks, the H values carried)
@@ -78,7 +78,7 @@ CARRIED = {"diloco_adamw:wire=fp4": ("DiLoCo's", (10, 25, 100)), "diloco_adamw:w
 #: colours of DiLoCo's lines with a quantised all-reduce (``wire=``), apart from its base method's
 WIRE_COLORS = {"fp4": "#e6550d", "fp8": "#fd8d3c"}
 #: colours of lines drawn apart from their base method's (a vote's other rule beside the defaults' picks)
-LINE_COLORS = {"dlocal_mavo:mr=1": "#17becf"}
+LINE_COLORS = {"dlocal_mavo:alpha=0.67:mr=1": "#17becf"}
 #: the lr of a drawn line that stands for "the held-out pick at each H" (HELD_OUT_PICKS[line])
 HELD_OUT = "held-out"
 #: (line, lr or None for any) drawn in final_vs_bits_main.png, besides the HELD_OUT curves (main_lines adds them)
@@ -184,13 +184,9 @@ def _draw(ax, rows: list[dict], drawn: list[tuple], min_seeds: int) -> None:
         local = b in LOCAL_METHODS
         style = ("-" if ln == b else "--", ":", "-.")[min(nth, 2)]
         if lr == HELD_OUT:  # (each point names its settings)
-            # a vote's picks at several outer scales α: each point names its α, the legend none
-            alphas = {local_options(r["method"]).get("alpha") for r in pts}
             name = (label(f"{b}:1").split(" H=")[0] if ln == b  # (DiLoCo: fp32 or bf16 per point, named there)
                     else label(":".join([b, "1"] + ln.split(":")[1:])).split(" H=")[0] if ln in CARRIED
                     else pts[0]["label"].split(" (lr ")[0].replace(f" H={pts[0]['H']}", ""))
-            if len(alphas) > 1:
-                name = name.replace(f", α={local_options(pts[0]['method'])['alpha']:g}", "")
             whose, carried_hs = CARRIED.get(ln, (None, ()))
             hs = sorted({r["H"] for r in pts})
             carried, searched = [h for h in hs if h in carried_hs], [h for h in hs if h not in carried_hs]
@@ -217,8 +213,6 @@ def _draw(ax, rows: list[dict], drawn: list[tuple], min_seeds: int) -> None:
                 elif lr == HELD_OUT:  # both held-out curves pass 0.75 bits: short names (the legend says
                     # "held-out"), the vote's below left of its points but the last, DiLoCo's below right
                     text = f"H={r['H']}, " + (f"lr {r['lr']:g}" if vote else _precision(r))
-                    if vote and len(alphas) > 1:
-                        text += f", α={local_options(r['method'])['alpha']:g}"
                     xytext, ha = (((5, 5), "left") if ln in LINE_COLORS  # (a second vote curve: above its points)
                                   else ((-5, -10), "right") if vote and r is not pts[-1] else ((5, -9), "left"))
                 else:
