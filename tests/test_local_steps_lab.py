@@ -683,7 +683,8 @@ def test_the_readme_panel_draws_the_vote_the_defaults_rule_and_diloco_only():
     assert main_lines(rows) == [("glion", 1e-4, 0.1), ("dlocal_mavo", 1e-4, 0.1),
                                 ("dlocal_mavo:alpha=0.83:vote=avg:mr=1", 3e-4, 0.1), held,
                                 ("diloco_adamw", 3e-3, 0.1), held_diloco,
-                                ("diloco_adamw_bf16", 3e-3, 0.1), held_fp4, ("dlocal_mavo:alpha=0.67:mr=1", "held-out", 0.1)]
+                                ("diloco_adamw_bf16", 3e-3, 0.1), held_fp4,
+                                ("dlocal_mavo:alpha=0.67:mr=1", "held-out", 0.1)]
     assert sorted((r["H"], r["lr"]) for r in line_points(rows, held)) == [(2, 6e-3), (8, 3e-3), (16, 1e-3),
                                                                           (32, 6e-4)]
     assert sorted((r["method"], r["lr"]) for r in line_points(rows, held_diloco)) == [

@@ -69,7 +69,8 @@ HELD_OUT_PICKS = {
                               "diloco_adamw:200:outer_lr=1:wire=fp4": 6e-3},
     "diloco_adamw:wire=fp8": {"diloco_adamw:25:wire=fp8": 6e-3},
     # the majority vote (1 bit back), momenta reset, at DiLoCo's 4-bit H = 100 and 200 budgets: its lr searched at
-    # outer scale 0.83 (rule_mavo_h32.txt, rule_low_budget.txt), then its outer scale at that lr (rule_mavo_h32_outer.txt)
+    # outer scale 0.83 (rule_mavo_h32.txt, rule_low_budget.txt), then its outer scale at that lr
+    # (rule_mavo_h32_outer.txt)
     "dlocal_mavo:alpha=0.67:mr=1": {"dlocal_mavo:32:alpha=0.67:mr=1": 4e-4, "dlocal_mavo:65:alpha=0.67:mr=1": 3e-4},
 }
 #: the curves of HELD_OUT_PICKS whose picks at some H were carried from another curve's, not searched on their own:
