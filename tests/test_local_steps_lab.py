@@ -669,8 +669,10 @@ def test_the_readme_panel_draws_the_vote_the_defaults_rule_and_diloco_only():
             # fp4 at H = 64: outer lr 1.0 picked (not 0.7); at H = 50 bf16's picks carried (outer lr 0.7, not 1.0)
             rec("diloco_adamw:64:outer_lr=1:wire=fp4", 0, 6e-3), rec("diloco_adamw:64:wire=fp4", 0, 6e-3),
             rec("diloco_adamw:50:wire=fp4", 0, 6e-3), rec("diloco_adamw:50:outer_lr=1:wire=fp4", 0, 6e-3),
-            # the majority vote: α 0.67 picked at H = 32 and 65 (not 0.83, nor H = 65's 3e-4 at 0.83); at H = 20 lr 1e-3
-            # (not 8e-4)
+            rec("diloco_adamw:32:wire=fp4", 0, 6e-3), rec("diloco_adamw:32:wire=fp4", 0, 3e-3),
+            # the majority vote: α 0.67 picked at H = 32 and 65 (not 0.83, nor H = 65's 3e-4 at 0.83), then at H = 32
+            # lr 6e-4 (not 4e-4); at H = 20 lr 1e-3 (not 8e-4)
+            rec("dlocal_mavo:32:alpha=0.67:mr=1", 0, 6e-4),
             rec("dlocal_mavo:32:alpha=0.67:mr=1", 0, 4e-4), rec("dlocal_mavo:32:alpha=0.83:mr=1", 0, 4e-4),
             rec("dlocal_mavo:65:alpha=0.67:mr=1", 0, 3e-4), rec("dlocal_mavo:65:alpha=0.83:mr=1", 0, 3e-4),
             rec("dlocal_mavo:20:alpha=0.67:mr=1", 0, 1e-3), rec("dlocal_mavo:20:alpha=0.67:mr=1", 0, 8e-4)]
@@ -699,7 +701,7 @@ def test_the_readme_panel_draws_the_vote_the_defaults_rule_and_diloco_only():
         ("diloco_adamw_bf16:50", 6e-3), ("diloco_adamw_bf16:500:outer_lr=1", 3e-3)]
     assert sorted((r["method"], r["lr"]) for r in line_points(rows, held_fp4)) == [
         ("diloco_adamw:10:outer_lr=0.5:wire=fp4", 4e-3), ("diloco_adamw:200:outer_lr=1:wire=fp4", 6e-3),
-        ("diloco_adamw:25:wire=fp4", 6e-3), ("diloco_adamw:50:wire=fp4", 6e-3),
+        ("diloco_adamw:25:wire=fp4", 6e-3), ("diloco_adamw:32:wire=fp4", 6e-3), ("diloco_adamw:50:wire=fp4", 6e-3),
         ("diloco_adamw:64:outer_lr=1:wire=fp4", 6e-3)]
     # the fp4 curve's legend says which of its picks were carried from bf16's and which were searched (H = 64, 200)
     import matplotlib
@@ -711,17 +713,17 @@ def test_the_readme_panel_draws_the_vote_the_defaults_rule_and_diloco_only():
     _draw(ax, rows, [held_fp4], 1)
     assert ax.get_legend_handles_labels()[1] == [
         "G-Lion's median + 1 %",
-        "DiLoCo (AdamW, fp4) at the held-out pick for each H (DiLoCo's at H = 10, 25, 50, carried), "
-        "H = 10, 25, 50, 64, 200"]
+        "DiLoCo (AdamW, fp4) at the held-out pick for each H (DiLoCo's at H = 10, 25, 32, 50, carried), "
+        "H = 10, 25, 32, 50, 64, 200"]
     plt.close(fig)
     # the majority vote's curve joins its three picks, each point naming its lr
     held_mavo = ("dlocal_mavo:alpha=0.67:mr=1", "held-out", 0.1)
     assert sorted((r["method"], r["lr"]) for r in line_points(rows, held_mavo)) == [
-        ("dlocal_mavo:20:alpha=0.67:mr=1", 1e-3), ("dlocal_mavo:32:alpha=0.67:mr=1", 4e-4),
+        ("dlocal_mavo:20:alpha=0.67:mr=1", 1e-3), ("dlocal_mavo:32:alpha=0.67:mr=1", 6e-4),
         ("dlocal_mavo:65:alpha=0.67:mr=1", 3e-4)]
     fig, ax = plt.subplots()
     _draw(ax, rows, [held_mavo], 1)
     assert ax.get_legend_handles_labels()[1][1] == (
         "D-Local MaVo, α=0.67, momenta reset at each sync at the held-out pick for each H, H = 20, 32, 65")
-    assert sorted(t.get_text() for t in ax.texts) == ["H=20, lr 0.001", "H=32, lr 0.0004", "H=65, lr 0.0003"]
+    assert sorted(t.get_text() for t in ax.texts) == ["H=20, lr 0.001", "H=32, lr 0.0006", "H=65, lr 0.0003"]
     plt.close(fig)

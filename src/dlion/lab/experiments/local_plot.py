@@ -65,7 +65,7 @@ HELD_OUT_PICKS = {
     # DiLoCo with the quantised all-reduce (rule_diloco_quantised.txt): the fp32 / bf16 rows' picks, carried
     "diloco_adamw:wire=fp4": {"diloco_adamw:25:wire=fp4": 6e-3, "diloco_adamw:10:outer_lr=0.5:wire=fp4": 4e-3,
                               "diloco_adamw:100:outer_lr=1:wire=fp4": 6e-3,
-                              "diloco_adamw:50:wire=fp4": 6e-3,
+                              "diloco_adamw:50:wire=fp4": 6e-3, "diloco_adamw:32:wire=fp4": 6e-3,
                               # searched on its own: below 0.062 bits (rule_low_budget.txt), and its outer lr at the
                               # defaults' budget, the inner lr carried (rule_defaults_budget.txt)
                               "diloco_adamw:200:outer_lr=1:wire=fp4": 6e-3,
@@ -73,13 +73,14 @@ HELD_OUT_PICKS = {
     "diloco_adamw:wire=fp8": {"diloco_adamw:25:wire=fp8": 6e-3},
     # the majority vote (1 bit back), momenta reset, at DiLoCo's 4-bit H = 100 and 200 budgets: its lr searched at
     # outer scale 0.83 (rule_mavo_h32.txt, rule_low_budget.txt), then its outer scale at that lr
-    # (rule_mavo_h32_outer.txt); at DiLoCo's 4-bit H = 64 budget its lr at outer scale 0.67 (rule_mavo_h20.txt)
-    "dlocal_mavo:alpha=0.67:mr=1": {"dlocal_mavo:32:alpha=0.67:mr=1": 4e-4, "dlocal_mavo:65:alpha=0.67:mr=1": 3e-4,
+    # (rule_mavo_h32_outer.txt), at H = 32 then its lr once more at that scale (rule_second_pass.txt); at DiLoCo's
+    # 4-bit H = 64 budget its lr at outer scale 0.67 (rule_mavo_h20.txt)
+    "dlocal_mavo:alpha=0.67:mr=1": {"dlocal_mavo:32:alpha=0.67:mr=1": 6e-4, "dlocal_mavo:65:alpha=0.67:mr=1": 3e-4,
                                     "dlocal_mavo:20:alpha=0.67:mr=1": 1e-3},
 }
 #: the curves of HELD_OUT_PICKS whose picks at some H were carried from another curve's, not searched on their own:
 #: line -> (whose picks, the H values carried)
-CARRIED = {"diloco_adamw:wire=fp4": ("DiLoCo's", (10, 25, 50, 100)), "diloco_adamw:wire=fp8": ("DiLoCo's", (25,))}
+CARRIED = {"diloco_adamw:wire=fp4": ("DiLoCo's", (10, 25, 32, 50, 100)), "diloco_adamw:wire=fp8": ("DiLoCo's", (25,))}
 #: colours of DiLoCo's lines with a quantised all-reduce (``wire=``), apart from its base method's
 WIRE_COLORS = {"fp4": "#e6550d", "fp8": "#fd8d3c"}
 #: colours of lines drawn apart from their base method's (a vote's other rule beside the defaults' picks)
