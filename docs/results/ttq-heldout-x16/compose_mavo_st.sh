@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+set -e
+# The held-out rule's part 18 (docs/results/ttq-heldout/rule_part18.txt): the majority vote streamed in two fragments
+# (outer scale 0.67, momenta reset where each vote is applied, 10 % warm-up, --bucket-mb 1.5), H from step A's timing,
+# lr from the seed-100 ladder, its evaluation seeds composed with step A's e2e run and moved onto the others' compute-only
+# step beside every row of the 16x tables, targets 2.1 and 2.2, into seeds-mavo-st-hH-f2/rebased.json (beside every row)
+# and rebased-vs-peers.json (beside the peers alone: DiLoCo in every form and the every-step methods). Run from anywhere,
+# after the other compose_*.sh scripts (whose outputs this one reads) and
+#   dlion bench e2e --link 3125kbit,6250kbit,62500kbit --queue 800ms --ties random \
+#       --methods compute,d-local-mavo-st-h16,d-local-mavo-st-h20,d-local-mavo-st-h24 --outer-scale 0.67 --reset-momentum \
+#       --fragments 2 --bucket-mb 1.5 --steps 240 --warmup 3 --fused --no-progress --out docs/results/e2e-local-x16-mavo-st-f2
+#   dlion bench ttq $R --bucket-mb 1.5 --warmup-frac 0.1 --methods d-local-mavo-st --sync-every H --fragments 2 --ties random \
+#       --outer-scale 0.67 --reset-momentum --lr LR --seed K \
+#       --out docs/results/ttq-heldout/dlocal-mavo-st-hH-f2-a0.67-reset-w0.1-lrLR-seedK
+# H, LR: the rule's picks; SEEDS: the evaluation seeds run (default 0-4).
+cd "$(dirname "$0")/../../.."
+P=${PYTHON:-python}
+H=${H:?the rule part 18 H}; LR=${LR:?the rule part 18 lr}; SEEDS=${SEEDS:-0 1 2 3 4}
+RUNS=docs/results/ttq-heldout/dlocal-mavo-st-h$H-f2-a0.67-reset-w0.1-lr$LR-seed
+OWN=docs/results/e2e-local-x16-mavo-st-f2/e2e_results.json
+NAME=mavo-st-h$H-f2
+. docs/results/ttq-heldout-x16/compose_common.sh
+host x16
+PEERS="diloco-bf16-h100 diloco-bf16-h100-olr1.0 diloco-bf16-h50 diloco-bf16-st-h100 diloco-fp4-st-h100 diloco-fp4-st-h100-d35
+       diloco-fp4-h100 diloco-fp4-st-h50-d5 diloco-fp4-st-h50-d36"
+OURS="avg-h32-reset avg-h32-reset-lr6e-4 avg-h25-reset avg-h50-reset avg-st-h25-d11 avg-st-h25-d3 avg-st-h25-f3-rates-lr4e-4
+      avg-h16-reset avg-h16-reset-slow"
+rows() { R=""; for N in "$@"; do [ -f $O/seeds-$N/rebased.json ] && R="$R $O/seeds-$N/rebased.json"; done; echo $R; }
+for T in 2.1 2.2; do
+  target x16 $T
+  for K in $SEEDS; do
+    $P -m dlion bench ttq --curves $RUNS$K/ttq_results.json --step-times $OWN --target $T --compute-speedup $S \
+        --out $O/$NAME-seed$K > /dev/null
+  done
+  $P -m dlion bench ttq --across $(for K in $SEEDS; do echo $O/$NAME-seed$K/ttq_results.json; done) --out $O/seeds-$NAME > /dev/null
+  for VS in rebased rebased-vs-peers; do
+    if [ $VS = rebased ]; then ROWS=$(rows $PEERS $OURS); else ROWS=$(rows $PEERS); fi
+    $P scripts/ttq_rebase_compute.py --steps-json $O/seeds-$NAME/ttq_seeds.json --method "${METHOD:-d-local-mavo-st|fragments=2|reset_momentum}" \
+        --e2e-method d-local-mavo-st-h$H --own $OWN --ref $REF --speedup $S --raw-links $LINKS --others $OTHERS \
+        --rebased-others $ROWS --out $O/seeds-$NAME/$VS.json
+  done
+done
