@@ -39,7 +39,8 @@ from .ttq_seeds import summarize
 
 #: (panel key, title, e2e result, [(method key, label, per-seed composed files, seeds[, extras])]); extras:
 #: "e2e", the result a method's step times came from where it is not the panel's (another run of e2e,
-#: e.g. with --abstain-below), "key" (the row's name where the method has two rows) and "color"
+#: e.g. with --abstain-below), "e2e_method" (the method's name in that result where it timed several H,
+#: e.g. d-local-mavo-st-h16), "key" (the row's name where the method has two rows) and "color"
 PANELS = (
     ("this-host", "this host: 4 ranks on 2 CPU cores", "e2e-peers-ov/e2e_results.json", [
         ("g-lion", "G-Lion (DDP, fp32 gradients)", "ttq-peers-ov/glion-seed{}/ttq_results.json", range(5)),
@@ -67,6 +68,10 @@ PANELS = (
         ("d-local-avg-st", "Local D-Lion Avg, H = 25, streamed in 3 fragments",
          "ttq-heldout-x16/dlocal-avg-st-h25-f3-rates-lr4e-4-seed{}/ttq_results.json", range(5),
          {"e2e": "e2e-local-x16-avg-st-h25-f3-rates/e2e_results.json", "color": "tab:gray"}),
+        ("d-local-mavo-st", "Local D-Lion MaVo, H = 16, streamed in 2 fragments",
+         "ttq-heldout-x16/mavo-st-h16-f2-seed{}/ttq_results.json", range(5),
+         {"e2e": "e2e-local-x16-mavo-st-f2/e2e_results.json", "e2e_method": "d-local-mavo-st-h16",
+          "color": "darkgoldenrod"}),
         ("diloco-adamw-bf16", "DiLoCo AdamW bf16, H = 100, outer lr 1.0",
          "ttq-heldout-x16/diloco-bf16-h100-olr1.0-seed{}/ttq_results.json", range(5),
          {"e2e": "e2e-local-x16-h100/e2e_results.json", "color": "tab:pink"}),
@@ -131,7 +136,8 @@ def panel(results: str, key: str, title: str, e2e_path: str, methods: list, link
             raise ValueError(f"{method}: the seeds were composed with different step times")
         ms = step_ms.pop()
         speedup = mdocs[0].get("compute_speedup") or 1
-        measured = {r["link"]: r for r in e2e["results"] if r["method"] == method}
+        timed_as = extra.get("e2e_method", method)
+        measured = {r["link"]: r for r in e2e["results"] if r["method"] == timed_as}
         # the composed step time is the e2e mean (÷ the emulated speed-up): check it is this file's
         if not any(abs(r["ms_mean"] / speedup - ms) < 1e-6 * ms for r in measured.values()):
             raise ValueError(f"{method}: its composed step time {ms:.3f} ms is not in {source}")
@@ -139,7 +145,7 @@ def panel(results: str, key: str, title: str, e2e_path: str, methods: list, link
                      "seeds": [d["config"]["seed"] for d in mdocs],
                      "color": extra.get("color", COLORS.get(method)), "e2e": source,
                      "files": [os.path.relpath(p, results) for p in files], "step_ms": ms,
-                     "bits_sent_per_param_per_step": bits_sent(e2e, method, next(iter(measured))),
+                     "bits_sent_per_param_per_step": bits_sent(e2e, timed_as, next(iter(measured))),
                      "curve": curve_band([d["curves"][method] for d in mdocs], ms)})
     # per seed: steps and time to the target (the code of `dlion bench ttq --across`), per step-time file
     by_e2e = {path: summarize(docs) for path, docs in groups.items()}
