@@ -80,8 +80,8 @@ def test_the_lead_and_the_loss_read_in_the_readme(doc):
     st = x16["d-local-avg-st"]
     assert (st["seeds_reaching"], st["seeds_run"]) == (5, 5)
     assert st["max_s"] < h25["min_s"]
-    # the majority vote every 16 steps streamed in 2 fragments (rule part 18; its own e2e run, on a slower day): all five,
-    # each in fewer steps than any seed of the 3-fragment vote; the README's 14.1 s at its own run's step
+    # the majority vote every 16 steps streamed in 2 fragments (rule part 18; its own e2e run, on a slower day): all
+    # five, each in fewer steps than any seed of the 3-fragment vote; the README's 14.1 s at its own run's step
     mv = x16["d-local-mavo-st"]
     assert (mv["seeds_reaching"], mv["seeds_run"]) == (5, 5)
     assert sorted(mv["steps"]) == [710, 710, 710, 720, 720]
