@@ -12,22 +12,26 @@ set -e
 #   dlion bench ttq $R --bucket-mb 1.5 --warmup-frac 0.1 --methods d-local-mavo-st --sync-every H --fragments 2 --ties random \
 #       --outer-scale 0.67 --reset-momentum --lr LR --seed K \
 #       --out docs/results/ttq-heldout/dlocal-mavo-st-hH-f2-a0.67-reset-w0.1-lrLR-seedK
-# H, LR: the rule's picks; SEEDS: the evaluation seeds run (default 0-4).
+#   (the 4x host: --link 12500kbit,25mbit,250mbit --queue 200ms --methods compute,d-local-mavo-st-h16 ...
+#    --out docs/results/e2e-local-x4-mavo-st-f2; HOSTS="x16 x4")
+# H, LR: the rule's picks; SEEDS: the evaluation seeds run (default 0-4); HOSTS (default x16).
 cd "$(dirname "$0")/../../.."
 P=${PYTHON:-python}
 H=${H:?the rule part 18 H}; LR=${LR:?the rule part 18 lr}; SEEDS=${SEEDS:-0 1 2 3 4}
 RUNS=docs/results/ttq-heldout/dlocal-mavo-st-h$H-f2-a0.67-reset-w0.1-lr$LR-seed
-OWN=docs/results/e2e-local-x16-mavo-st-f2/e2e_results.json
 NAME=mavo-st-h$H-f2
 . docs/results/ttq-heldout-x16/compose_common.sh
-host x16
-PEERS="diloco-bf16-h100 diloco-bf16-h100-olr1.0 diloco-bf16-h50 diloco-bf16-st-h100 diloco-fp4-st-h100 diloco-fp4-st-h100-d35
-       diloco-fp4-h100 diloco-fp4-st-h50-d5 diloco-fp4-st-h50-d36"
+# every row of either host's tables (a host lacking one skips it)
+PEERS="diloco-bf16-h100 diloco-bf16-h100-olr1.0 diloco-bf16-h50 diloco-bf16-st-h100 diloco-bf16-st-h50 diloco-fp4-st-h100
+       diloco-fp4-st-h100-d35 diloco-fp4-h100 diloco-fp4-st-h50-d5 diloco-fp4-st-h50-d36 diloco-fp4-h50 diloco-fp4-st-h100-d18
+       diloco-fp4-st-h100-d9 diloco-fp4-st-h50-d11 diloco-fp4-st-h50-d20"
 OURS="avg-h32-reset avg-h32-reset-lr6e-4 avg-h25-reset avg-h50-reset avg-st-h25-d11 avg-st-h25-d3 avg-st-h25-f3-rates-lr4e-4
       avg-h16-reset avg-h16-reset-slow"
 rows() { R=""; for N in "$@"; do [ -f $O/seeds-$N/rebased.json ] && R="$R $O/seeds-$N/rebased.json"; done; echo $R; }
+for HOST in ${HOSTS:-x16}; do
+host $HOST; OWN=docs/results/e2e-local-$HOST-mavo-st-f2/e2e_results.json
 for T in 2.1 2.2; do
-  target x16 $T
+  target $HOST $T
   for K in $SEEDS; do
     $P -m dlion bench ttq --curves $RUNS$K/ttq_results.json --step-times $OWN --target $T --compute-speedup $S \
         --out $O/$NAME-seed$K > /dev/null
@@ -39,4 +43,5 @@ for T in 2.1 2.2; do
         --e2e-method d-local-mavo-st-h$H --own $OWN --ref $REF --speedup $S --raw-links $LINKS --others $OTHERS \
         --rebased-others $ROWS --out $O/seeds-$NAME/$VS.json
   done
+done
 done
