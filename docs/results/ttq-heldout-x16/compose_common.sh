@@ -8,10 +8,12 @@ target() {  # HOST T -> O (the folder of that host and target), OTHERS (the peer
   O=docs/results/ttq-heldout-$1; [ "$2" = 2.2 ] && O=$O-target2.2
   if [ "$1" = x16 ]; then OTHERS="$O/seeds-w0.1/ttq_seeds.json $O/seeds-avg/ttq_seeds.json"; else OTHERS=$O/seeds-w0.1/ttq_seeds.json; fi
 }
-compose_seeds() {  # RUNS OWN T NAME [ACROSS]: seeds 0-4 of RUNS<K>/ttq_results.json composed with OWN into
-  for K in 0 1 2 3 4; do  # $O/NAME-seedK, then across the seeds into $O/seeds-ACROSS (default NAME)
+compose_seeds() {  # RUNS OWN T NAME [ACROSS]: seeds $SEEDS (default 0-4) of RUNS<K>/ttq_results.json composed with OWN
+  local K ACROSS=""  # into $O/NAME-seedK, then across the seeds into $O/seeds-ACROSS (default NAME)
+  for K in ${SEEDS:-0 1 2 3 4}; do
     $P -m dlion bench ttq --curves $1$K/ttq_results.json --step-times $2 --target $3 --compute-speedup $S \
         --out $O/$4-seed$K > /dev/null
+    ACROSS="$ACROSS $O/$4-seed$K/ttq_results.json"
   done
-  $P -m dlion bench ttq --across $O/$4-seed{0,1,2,3,4}/ttq_results.json --out $O/seeds-${5:-$4} > /dev/null
+  $P -m dlion bench ttq --across $ACROSS --out $O/seeds-${5:-$4} > /dev/null
 }

@@ -17,7 +17,7 @@ set -e
 # H, LR: the rule's picks; SEEDS: the evaluation seeds run (default 0-4); HOSTS (default x16).
 cd "$(dirname "$0")/../../.."
 P=${PYTHON:-python}
-H=${H:?the rule part 18 H}; LR=${LR:?the rule part 18 lr}; SEEDS=${SEEDS:-0 1 2 3 4}
+H=${H:?the rule part 18 H}; LR=${LR:?the rule part 18 lr}
 RUNS=docs/results/ttq-heldout/dlocal-mavo-st-h$H-f2-a0.67-reset-w0.1-lr$LR-seed
 NAME=mavo-st-h$H-f2
 . docs/results/ttq-heldout-x16/compose_common.sh
@@ -32,11 +32,7 @@ for HOST in ${HOSTS:-x16}; do
 host $HOST; OWN=docs/results/e2e-local-$HOST-mavo-st-f2/e2e_results.json
 for T in 2.1 2.2; do
   target $HOST $T
-  for K in $SEEDS; do
-    $P -m dlion bench ttq --curves $RUNS$K/ttq_results.json --step-times $OWN --target $T --compute-speedup $S \
-        --out $O/$NAME-seed$K > /dev/null
-  done
-  $P -m dlion bench ttq --across $(for K in $SEEDS; do echo $O/$NAME-seed$K/ttq_results.json; done) --out $O/seeds-$NAME > /dev/null
+  compose_seeds $RUNS $OWN $T $NAME
   for VS in rebased rebased-vs-peers; do
     if [ $VS = rebased ]; then ROWS=$(rows $PEERS $OURS); else ROWS=$(rows $PEERS); fi
     $P scripts/ttq_rebase_compute.py --steps-json $O/seeds-$NAME/ttq_seeds.json --method "${METHOD:-d-local-mavo-st|fragments=2|reset_momentum}" \
